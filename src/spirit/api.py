@@ -1,0 +1,281 @@
+"""The Python API: `spirit.load(...)` returns a `Spirit`, which generates text.
+
+    import spirit
+    lm = spirit.load("smollm2-135m")
+    out = lm.generate("Write a haiku about rain", max_new_tokens=64, method="spirit")
+    print(out.text, out.stats.tokens_per_s)
+    for piece in lm.stream("Tell me a story", chat=True):
+        print(piece, end="", flush=True)
+
+Policies are created once per method and kept, so that successive requests to the same
+`Spirit` form the stream that adaptive methods learn from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spirit.engine import DecodeSettings, Engine
+from spirit.model.adapter import SkippableModel
+from spirit.model.loader import LoadedModel
+from spirit.model.loader import load as load_model
+from spirit.policies import REGISTRY, ModelInfo, Policy
+from spirit.sampling import SamplingParams
+from spirit.skipset import DraftConfig, SkipSet
+from spirit.stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
+    method: str = "vanilla"
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "method": self.method,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, as every front end (API, CLI, server, benchmark) states it."""
+
+    prompt: str | Sequence[dict] | Sequence[int]  # text, chat messages, or token ids
+    max_new_tokens: int = 128
+    method: str = "vanilla"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    tag: str | None = None  # a label for the policy's records (e.g. a benchmark category)
+
+
+class TextStream:
+    """Iterator of text pieces; `.result` holds the GenerationResult once it is exhausted."""
+
+    def __init__(self, lm: "Spirit", request: Request, prompt_ids: list[int], policy: Policy) -> None:
+        self._lm = lm
+        self._request = request
+        self._prompt_ids = prompt_ids
+        self._policy = policy
+        self._cancelled = False
+        self.result: GenerationResult | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop after its current round (e.g. the client went away).
+        Safe to call from another thread; the stream then ends with finish_reason "cancelled"."""
+        self._cancelled = True
+
+    def __iter__(self) -> Iterator[str]:
+        tok = self._lm.tokenizer
+        settings = DecodeSettings(self._request.max_new_tokens, self._request.sampling, self._lm.eos_token_ids)
+        stop_hit = False
+        decoding = self._lm.engine.decode(
+            self._prompt_ids, settings, self._policy, self._request.tag,
+            stop_requested=lambda: stop_hit or self._cancelled,
+        )
+        ids: list[int] = []
+        emitted = ""
+        while True:
+            try:
+                ids.extend(next(decoding))
+            except StopIteration as end:
+                stats: GenerationStats = end.value
+                break
+            text = tok.decode(ids, skip_special_tokens=True)
+            cut = _find_stop(text, self._request.stop)
+            if cut is not None:
+                text, stop_hit = text[:cut], True
+            elif text.endswith("\ufffd"):
+                continue  # half a multi-byte character: wait for the rest
+            if len(text) > len(emitted) and text.startswith(emitted):
+                yield text[len(emitted):]
+            emitted = text
+        if stop_hit or (ids and ids[-1] in self._lm.eos_token_ids):
+            finish = "stop"
+        elif self._cancelled and len(ids) < self._request.max_new_tokens:
+            finish = "cancelled"
+        else:
+            finish = "length"
+        self.result = GenerationResult(emitted, ids, stats, finish, self._request.method)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+class Spirit:
+    def __init__(self, loaded: LoadedModel, max_context: int | None = None) -> None:
+        self.name = loaded.name
+        self.folder = loaded.folder
+        self.hf_model = loaded.hf_model
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        self.model = SkippableModel(loaded.hf_model)
+        self.engine = Engine(self.model, max_context)
+        self.eos_token_ids = _eos_ids(loaded)
+        self._policies: dict[tuple, Policy] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.shape.num_layers
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[dict] | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if chat or not isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"model {self.name} has no chat template; drop --chat")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    # -- policies --------------------------------------------------------------------------
+
+    def policy(
+        self,
+        method: str,
+        skip: SkipSet | str | None = None,
+        draft: DraftConfig = DraftConfig(),
+        profile_file: str | Path | None = None,
+        **options,
+    ) -> Policy:
+        """The (kept) policy for a method; adaptive policies carry state across calls."""
+        if isinstance(skip, str):
+            skip = SkipSet.parse(skip)
+        key = (method, skip, draft, str(profile_file) if profile_file else None, tuple(sorted(options.items())))
+        if key not in self._policies:
+            extra = dict(options)
+            if skip is not None:
+                extra["skip"] = skip.validate(self.num_layers)
+            policy = REGISTRY.create(method, ModelInfo(self.num_layers, self.name), draft, **extra)
+            if profile_file and Path(profile_file).exists():
+                from spirit.policies.profiles import load_profile
+
+                load_profile(policy, Path(profile_file))
+            self._policies[key] = policy
+        return self._policies[key]
+
+    # -- generation ------------------------------------------------------------------------
+
+    def stream(self, prompt, *, policy: Policy | None = None, **kwargs) -> TextStream:
+        request, policy = self._request(prompt, policy, **kwargs)
+        return TextStream(self, request, self.encode(request.prompt, request.chat), policy)
+
+    def generate(self, prompt, *, policy: Policy | None = None, **kwargs) -> GenerationResult:
+        if kwargs.get("method") == "hf":
+            return self._generate_hf(prompt, **kwargs)
+        stream = self.stream(prompt, policy=policy, **kwargs)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def _request(
+        self,
+        prompt,
+        policy: Policy | None,
+        *,
+        max_new_tokens: int = 128,
+        method: str = "vanilla",
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        skip: SkipSet | str | None = None,
+        max_draft: int = 25,
+        threshold: float = 0.8,
+        profile_file: str | Path | None = None,
+        tag: str | None = None,
+    ) -> tuple[Request, Policy]:
+        if method == "hf":
+            raise ValueError("method 'hf' (transformers' generate) has no streaming; use generate()")
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        sampling = SamplingParams(temperature, top_p, top_k, seed)
+        request = Request(prompt, max_new_tokens, method, sampling, tuple(stop), chat, tag)
+        if policy is None:
+            policy = self.policy(method, skip, DraftConfig(max_draft=max_draft, threshold=threshold), profile_file)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return request, policy
+
+    def _generate_hf(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        chat: bool = False,
+        stop: Sequence[str] = (),
+        **_ignored,
+    ) -> GenerationResult:
+        """transformers' own `generate`, timed the same way, for comparison."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self.encode(prompt, chat)
+        self.engine.check_fits(len(ids), max_new_tokens)
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else dict(do_sample=False)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens, eos_token_id=sorted(self.eos_token_ids) or None,
+                pad_token_id=self.tokenizer.pad_token_id or next(iter(self.eos_token_ids), 0),
+                stop_strings=list(stop) or None, tokenizer=self.tokenizer if stop else None, **sampling,
+            )
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        cut = _find_stop(text, tuple(stop))
+        finish = "stop" if (cut is not None or (new and new[-1] in self.eos_token_ids)) else "length"
+        if cut is not None:
+            text = text[:cut]
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), wall_time_s=wall)
+        return GenerationResult(text, new, stats, finish, "hf")
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.hf_model, "generation_config", None), loaded.hf_model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load(name_or_path: str, dtype: torch.dtype | str | None = None, max_context: int | None = None) -> Spirit:
+    """Load a bundled model name, a local folder or .gguf file, or a cached hub id."""
+    return Spirit(load_model(name_or_path, dtype), max_context)
+
+
+def from_pretrained_model(hf_model, tokenizer, name: str = "model", max_context: int | None = None) -> Spirit:
+    """Wrap an already loaded transformers model and tokenizer (tests, notebooks)."""
+    dtype = next(hf_model.parameters()).dtype
+    return Spirit(LoadedModel(name, Path("."), hf_model.eval(), tokenizer, dtype), max_context)

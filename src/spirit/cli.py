@@ -1,0 +1,193 @@
+"""The `spirit` command line: generate, models, bench, sol, serve.
+
+Every user error ends in one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from spirit.model.bundled import BUNDLED, DEFAULT_MODEL
+
+
+class CLIError(Exception):
+    pass
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input or a missing resource, not a bug."""
+    from spirit.engine import ContextLengthError
+    from spirit.model.adapter import UnsupportedModelError
+    from spirit.model.bundled import ModelFetchError
+    from spirit.model.kv_cache import CacheFullError
+    from spirit.model.loader import ModelNotFoundError
+    from spirit.skipset import SkipSetError
+
+    return (CLIError, ValueError, ModelFetchError, ModelNotFoundError, SkipSetError, ContextLengthError,
+            UnsupportedModelError, CacheFullError, FileNotFoundError)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"bundled name, local folder, .gguf file or cached hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CPUs with AVX-512 BF16, else fp32), bf16 or fp32")
+
+
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="spirit", help="spirit, sp2ec, swift, dv, static, vanilla or hf (default spirit)")
+    p.add_argument("--skip", default=None, help="skip set for --method static, e.g. 'attn:4,9;mlp:4,9,12'")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-draft", type=int, default=25, help="most tokens drafted per round (SWIFT: 25)")
+    p.add_argument("--threshold", type=float, default=0.8, help="stop drafting below this top-1 probability (SWIFT: 0.8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--profile-file", default=None, help="load and save the policy's learned state here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spirit", description="Lossless self-speculative decoding that adapts to measured speed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(g)
+    _add_decoding_args(g)
+    g.add_argument("--prompt", default=None, help="the prompt (default: read stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+    g.add_argument("--stats", action="store_true", help="print speed statistics to stderr")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list or fetch the bundled models")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    ml = msub.add_parser("list", help="bundled models and whether they are fetched")
+    ml.set_defaults(func=cmd_models_list)
+    mp = msub.add_parser("pull", help="fetch, verify and convert a bundled model")
+    mp.add_argument("name")
+    mp.set_defaults(func=cmd_models_pull)
+
+    for name, register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands() -> list[tuple[str, Callable]]:
+    """Subcommands that live with their subsystem (bench, sol, serve), registered if present."""
+    found = []
+    for name, module in (("bench", "spirit.bench.cli"), ("sol", "spirit.sol.cli"), ("serve", "spirit.server.cli")):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        found.append((name, mod.register))
+    return found
+
+
+def load_for_cli(args: argparse.Namespace):
+    import spirit
+
+    return spirit.load(args.model, dtype=args.dtype)
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens, method=args.method, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, skip=args.skip,
+        max_draft=args.max_draft, threshold=args.threshold, profile_file=args.profile_file,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.method == "static" and not args.skip:
+        raise CLIError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise CLIError("empty prompt: pass --prompt or pipe text on stdin")
+    lm = load_for_cli(args)
+    kwargs = generation_kwargs(args)
+    if args.method == "hf":
+        result = lm.generate(prompt, chat=args.chat, stop=args.stop, **kwargs)
+        if not args.json:
+            print(result.text)
+    else:
+        stream = lm.stream(prompt, chat=args.chat, stop=args.stop, **kwargs)
+        for piece in stream:
+            if not args.json:
+                print(piece, end="", flush=True)
+        result = stream.result
+        if not args.json:
+            print()
+        _save_profile(lm, args, kwargs)
+    if args.json:
+        payload = result.to_dict()
+        payload["model"] = lm.name
+        payload["dtype"] = str(lm.dtype).removeprefix("torch.")
+        print(json.dumps(payload))
+    elif args.stats:
+        s = result.stats
+        print(
+            f"[{lm.name} {args.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f}s = {s.tokens_per_s:.1f} tok/s; "
+            f"acceptance {s.counters.acceptance_rate:.2f}, mean accepted {s.counters.mean_accepted:.2f}, "
+            f"draft {s.counters.draft_time_s:.2f}s / verify {s.counters.verify_time_s:.2f}s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _save_profile(lm, args: argparse.Namespace, kwargs: dict) -> None:
+    if not args.profile_file:
+        return
+    from pathlib import Path
+
+    from spirit.policies.profiles import save_profile
+    from spirit.skipset import DraftConfig
+
+    policy = lm.policy(args.method, kwargs["skip"], DraftConfig(max_draft=args.max_draft, threshold=args.threshold), args.profile_file)
+    save_profile(policy, Path(args.profile_file))
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from spirit.model.bundled import gguf_path
+    from spirit.model.loader import _converted_dir
+
+    for spec in BUNDLED.values():
+        state = "ready" if (_converted_dir(spec.name) / "spirit-source.json").exists() else (
+            "fetched" if gguf_path(spec).exists() else "not fetched")
+        print(f"{spec.name:22s} {spec.architecture:6s} {spec.num_layers:3d} layers  {state:11s}  {spec.description}")
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from spirit.model.loader import resolve
+
+    if args.name not in BUNDLED:
+        raise CLIError(f"unknown bundled model {args.name!r}; choose one of {', '.join(BUNDLED)}")
+    _, folder = resolve(args.name)
+    print(f"{args.name}: ready at {folder}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # spirit never fetches from a model hub
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except _user_errors() as exc:
+        print(f"spirit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spirit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

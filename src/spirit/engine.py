@@ -1,0 +1,279 @@
+"""The decoding engine: prefill, then rounds of draft-with-skipped-sublayers and verify.
+
+State of one request (batch size 1):
+- `ids`: prompt + generated tokens; the last one is *pending*: emitted but not yet in the
+  KV cache.
+- `committed`: number of cache slots holding the full model's KV, always len(ids) - 1.
+
+A speculative round from the pending token x0:
+  draft   x0, d1, ... through the skipping model in slots committed, committed+1, ...
+  verify  [x0, d1..dk] through the full model in slots committed..committed+k (one pass)
+  commit  x0 plus the n accepted drafts; the recovered/bonus token becomes pending.
+Rejected slots are simply not advanced over (see model/kv_cache.py); nothing is copied.
+
+The engine measures and the policy decides: every `policy.window_tokens` new tokens it
+reports a `WindowStats` and asks for the next `DraftConfig`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from spirit.model.adapter import SkippableModel
+from spirit.policies.base import Policy, RequestInfo, VanillaPolicy, ModelInfo
+from spirit.sampling import SamplingParams, probabilities, sample
+from spirit.skipset import DraftConfig, SkipSet
+from spirit.stats import Counters, GenerationStats, WindowStats
+from spirit.verify import verify_greedy, verify_sampling
+
+_NO_SKIP = SkipSet()
+PROBE_TOKENS = 32  # committed tokens a teacher-forced agreement probe scores
+
+
+class ContextLengthError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class _Window:
+    config: DraftConfig
+    started: float
+    counters: Counters = field(default_factory=Counters)
+    probe_agreement: float | None = None
+
+
+class Engine:
+    def __init__(self, model: SkippableModel, max_context: int | None = None) -> None:
+        self.model = model
+        self.max_context = max_context or model.shape.max_positions
+        self._requests = 0
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(num_layers=self.model.shape.num_layers)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ContextLengthError("the prompt is empty")
+        if prompt_len + max_new_tokens > self.max_context:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
+
+    def decode(
+        self,
+        prompt_ids: list[int],
+        settings: DecodeSettings,
+        policy: Policy | None = None,
+        tag: str | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield newly committed token ids as they are produced; return GenerationStats.
+
+        Stops at max_new_tokens, right after an EOS token (which is included), or when
+        `stop_requested()` turns true after a yield (a stop string, a client that left).
+        """
+        self.check_fits(len(prompt_ids), settings.max_new_tokens)
+        policy = policy or VanillaPolicy(self.info)
+        self._requests += 1
+        request = RequestInfo(self._requests, tuple(prompt_ids), settings.max_new_tokens, tag)
+        sampling = settings.sampling
+        generator = None if sampling.greedy else sampling.generator()
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        t_start = time.perf_counter()
+
+        config = policy.start_request(request)
+        longest_draft = max(config.max_draft, PROBE_TOKENS, 64)
+        cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + longest_draft + 2)
+        prompt = torch.tensor([prompt_ids])
+        logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
+        first = self._pick(logits, sampling, generator)
+        ids = list(prompt_ids) + [first]
+        stats.prefill_time_s = time.perf_counter() - t_start
+        budget = settings.max_new_tokens - 1
+        window = _Window(config, time.perf_counter())
+        done = first in settings.eos_token_ids or budget == 0
+        yield [first]  # the prefill's token; windows measure decoding only
+        done = done or (stop_requested is not None and stop_requested())
+
+        while not done:
+            if window.config.probe is not None and window.probe_agreement is None:
+                window.probe_agreement = self._probe(ids, cache, window.config.probe, window.counters)
+            if window.config.speculative:
+                new = self._speculative_round(ids, cache, window.config, sampling, generator, budget, window.counters)
+            else:
+                new = self._plain_step(ids, cache, sampling, generator, window.counters)
+            eos_at = next((i for i, t in enumerate(new) if t in settings.eos_token_ids), None)
+            if eos_at is not None:
+                new = new[: eos_at + 1]
+            new = new[:budget]  # a cut only happens on the request's last round
+            ids.extend(new)
+            budget -= len(new)
+            window.counters.new_tokens += len(new)
+            done = eos_at is not None or budget <= 0
+            yield new
+            done = done or (stop_requested is not None and stop_requested())
+            if window.counters.new_tokens >= policy.window_tokens and not done:
+                window = self._close_window(window, request, policy, stats, len(ids), final=False)
+
+        self._close_window(window, request, policy, stats, len(ids), final=True)
+        stats.new_tokens = len(ids) - len(prompt_ids)
+        stats.wall_time_s = time.perf_counter() - t_start
+        return stats
+
+    # -- one step of each kind -------------------------------------------------------------
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(probabilities(logits, sampling), generator)
+
+    def _plain_step(
+        self, ids: list[int], cache, sampling: SamplingParams, generator, counters: Counters
+    ) -> list[int]:
+        t0 = time.perf_counter()
+        committed = len(ids) - 1
+        logits = self.model.forward(torch.tensor([[ids[-1]]]), committed, cache, _NO_SKIP, last_only=True)[0]
+        token = self._pick(logits, sampling, generator)
+        counters.verify_time_s += time.perf_counter() - t0
+        return [token]
+
+    def _draft(
+        self, ids: list[int], cache, config: DraftConfig, sampling: SamplingParams, generator, limit: int
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to `limit` draft tokens from the pending token, stopping early when the draft's
+        top-1 probability falls below config.threshold. Returns tokens and (when sampling)
+        the distributions they were drawn from."""
+        committed = len(ids) - 1
+        token = ids[-1]
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        for j in range(limit):
+            logits = self.model.forward(torch.tensor([[token]]), committed + j, cache, config.skip, last_only=True)[0]
+            if sampling.greedy:
+                probs = torch.softmax(logits, dim=-1)
+                confidence, best = probs.max(dim=-1)
+                token = int(best)
+            else:
+                probs = probabilities(logits, sampling)
+                dists.append(probs)
+                token = sample(probs, generator)
+                confidence = probs.max()
+            tokens.append(token)
+            if float(confidence) < config.threshold:
+                break
+        return tokens, dists
+
+    def _speculative_round(
+        self,
+        ids: list[int],
+        cache,
+        config: DraftConfig,
+        sampling: SamplingParams,
+        generator,
+        budget: int,
+        counters: Counters,
+    ) -> list[int]:
+        # drafting more than budget - 1 tokens cannot pay: the verification adds one more
+        limit = min(config.max_draft, budget - 1)
+        if limit < 1:
+            return self._plain_step(ids, cache, sampling, generator, counters)
+        t0 = time.perf_counter()
+        draft, draft_dists = self._draft(ids, cache, config, sampling, generator, limit)
+        t1 = time.perf_counter()
+        committed = len(ids) - 1
+        verify_input = torch.tensor([[ids[-1], *draft]])
+        target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP)  # [k+1, vocab]
+        draft_tensor = torch.tensor(draft)
+        if sampling.greedy:
+            verdict = verify_greedy(draft_tensor, target_logits)
+        else:
+            verdict = verify_sampling(
+                draft_tensor, torch.stack(draft_dists), probabilities(target_logits, sampling), generator
+            )
+        t2 = time.perf_counter()
+        counters.draft_time_s += t1 - t0
+        counters.verify_time_s += t2 - t1
+        counters.draft_rounds += 1
+        counters.drafted += len(draft)
+        counters.accepted += verdict.accepted
+        return draft[: verdict.accepted] + [verdict.next_token]
+
+    def _probe(self, ids: list[int], cache, skip: SkipSet, counters: Counters) -> float | None:
+        """Teacher-forced top-1 agreement of `skip` with the last committed tokens.
+
+        Runs the draft on ids[c-n .. c-1] (positions c-n..c-1) in scratch slots [c, c+n),
+        attending to the full model's KV of everything before c-n, and counts how often its
+        argmax equals the token that actually followed. Slots >= c are overwritten by the
+        next pass, so the committed cache is untouched.
+        """
+        committed = len(ids) - 1
+        n = min(PROBE_TOKENS, committed - 1)
+        if n < 4:
+            return None
+        t0 = time.perf_counter()
+        inputs = torch.tensor([ids[committed - n : committed]])
+        targets = torch.tensor(ids[committed - n + 1 : committed + 1])
+        positions = torch.arange(committed - n, committed)
+        visible = torch.zeros(n, committed + n, dtype=torch.bool)
+        visible[:, : committed - n] = True
+        visible[:, committed:] = torch.ones(n, n, dtype=torch.bool).tril()
+        logits = self.model.forward(inputs, committed, cache, skip, positions=positions, visible=visible)
+        agreement = float((logits.argmax(dim=-1) == targets).float().mean())
+        counters.probe_time_s += time.perf_counter() - t0
+        return agreement
+
+    def _close_window(
+        self,
+        window: _Window,
+        request: RequestInfo,
+        policy: Policy,
+        stats: GenerationStats,
+        context_length: int,
+        final: bool,
+    ) -> _Window:
+        now = time.perf_counter()
+        feedback = WindowStats(
+            request_id=request.request_id,
+            config=window.config,
+            counters=window.counters,
+            wall_time_s=now - window.started,
+            context_length=context_length,
+            probe_agreement=window.probe_agreement,
+            final=final,
+        )
+        stats.counters.add(window.counters)
+        described = window.config.describe(self.model.shape.num_layers)
+        stats.configs.append(described)
+        stats.windows.append(
+            {
+                "config": described,
+                "skip_ratio": window.config.skip.ratio(self.model.shape.num_layers) if window.config.skip else 0.0,
+                "new_tokens": window.counters.new_tokens,
+                "wall_time_s": round(feedback.wall_time_s, 6),
+                "tokens_per_s": round(feedback.tokens_per_s, 3),
+                "acceptance_rate": round(window.counters.acceptance_rate, 4),
+                "context_length": context_length,
+            }
+        )
+        if final:
+            policy.end_request(feedback)
+            return window
+        # the policy's deciding time is counted in the next window, which starts now
+        return _Window(policy.on_window(feedback), now)

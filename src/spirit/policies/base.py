@@ -1,0 +1,122 @@
+"""The policy interface: plain Python, no torch.
+
+Data flows one way: the policy returns a `DraftConfig`, the engine decodes one window with
+it and reports a `WindowStats`, and the policy returns the next configuration. Policies keep
+state across requests (a stream of requests is what they adapt to) and can save it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from spirit.skipset import VANILLA, DraftConfig, SkipSet
+from spirit.stats import WindowStats
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    num_layers: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: int
+    prompt_tokens: tuple[int, ...]  # prompt token ids, for prompt-feature based task detection
+    max_new_tokens: int
+    tag: str | None = None  # optional caller label (e.g. a benchmark category); never required
+
+
+class Policy(ABC):
+    """Chooses the draft configuration for each window of decoding."""
+
+    name: ClassVar[str] = ""
+    # tokens generated per window; a policy may change it between windows
+    window_tokens: int = 32
+
+    def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig()) -> None:
+        self.model = model
+        self.base = base  # drafting knobs (max_draft, threshold) the policy leaves as given
+
+    def config(self, skip: SkipSet | None, probe: SkipSet | None = None) -> DraftConfig:
+        return DraftConfig(skip=skip, max_draft=self.base.max_draft, threshold=self.base.threshold, probe=probe)
+
+    @abstractmethod
+    def start_request(self, request: RequestInfo) -> DraftConfig: ...
+
+    @abstractmethod
+    def on_window(self, stats: WindowStats) -> DraftConfig: ...
+
+    def end_request(self, stats: WindowStats) -> None:
+        """The last (possibly partial) window of a request; default: learn from it as usual."""
+        self.on_window(stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class VanillaPolicy(Policy):
+    """Plain decoding in the same engine: the honest baseline."""
+
+    name = "vanilla"
+    window_tokens = 64
+
+    def start_request(self, request: RequestInfo) -> DraftConfig:
+        return VANILLA
+
+    def on_window(self, stats: WindowStats) -> DraftConfig:
+        return VANILLA
+
+
+class StaticPolicy(Policy):
+    """One fixed skip set for every window."""
+
+    name = "static"
+    window_tokens = 64
+
+    def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), skip: SkipSet | None = None) -> None:
+        super().__init__(model, base)
+        if skip is None:
+            raise ValueError("method 'static' needs a skip set, e.g. --skip 'attn:4,9;mlp:4,9,12'")
+        self.skip = skip.validate(model.num_layers)
+
+    def start_request(self, request: RequestInfo) -> DraftConfig:
+        return self.config(self.skip)
+
+    def on_window(self, stats: WindowStats) -> DraftConfig:
+        return self.config(self.skip)
+
+
+PolicyFactory = Callable[..., Policy]
+
+
+@dataclass
+class PolicyRegistry:
+    """Policies register by name; the CLI, the API, the benchmark and the server look them up."""
+
+    factories: dict[str, PolicyFactory] = field(default_factory=dict)
+
+    def register(self, cls: type[Policy]) -> type[Policy]:
+        self.factories[cls.name] = cls
+        return cls
+
+    def names(self) -> list[str]:
+        return sorted(self.factories)
+
+    def create(self, name: str, model: ModelInfo, base: DraftConfig = DraftConfig(), **kwargs: Any) -> Policy:
+        if name not in self.factories:
+            raise ValueError(f"unknown method {name!r}; choose one of {', '.join(self.names() + ['hf'])}")
+        return self.factories[name](model, base, **kwargs)
+
+
+REGISTRY = PolicyRegistry()
+REGISTRY.register(VanillaPolicy)
+REGISTRY.register(StaticPolicy)

@@ -1,0 +1,147 @@
+"""Draft configurations as values.
+
+A `SkipSet` names the attention and MLP sublayers that the draft pass replaces by the
+identity on the residual stream. A `DraftConfig` is what a policy hands the engine for one
+window of decoding: a skip set (or none, meaning plain decoding) plus the drafting knobs.
+Both are frozen, hashable values passed as arguments; nothing global is toggled.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+
+class SkipSetError(ValueError):
+    """A skip set that is malformed or names a layer the model does not have."""
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    attn: frozenset[int] = field(default_factory=frozenset)  # layer indices whose attention is skipped
+    mlp: frozenset[int] = field(default_factory=frozenset)  # layer indices whose MLP is skipped
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attn", frozenset(int(i) for i in self.attn))
+        object.__setattr__(self, "mlp", frozenset(int(i) for i in self.mlp))
+
+    @classmethod
+    def parse(cls, text: str) -> "SkipSet":
+        """Parse ``"attn:4,9;mlp:4,9,12"`` (either part may be absent; ``""`` is the empty set).
+
+        ``"layers:3,5"`` skips both sublayers of the named layers.
+        """
+        attn: set[int] = set()
+        mlp: set[int] = set()
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            kind, sep, numbers = part.partition(":")
+            kind = kind.strip().lower()
+            if not sep or kind not in ("attn", "mlp", "layers"):
+                raise SkipSetError(
+                    f"bad skip set part {part!r}: expected 'attn:1,2', 'mlp:3,4' or 'layers:5,6'"
+                )
+            try:
+                indices = {int(n) for n in numbers.split(",") if n.strip()}
+            except ValueError:
+                raise SkipSetError(f"bad layer index in {part!r}: indices must be integers") from None
+            if kind in ("attn", "layers"):
+                attn |= indices
+            if kind in ("mlp", "layers"):
+                mlp |= indices
+        return cls(frozenset(attn), frozenset(mlp))
+
+    @classmethod
+    def of_layers(cls, layers: set[int] | frozenset[int] | list[int]) -> "SkipSet":
+        layers = frozenset(layers)
+        return cls(layers, layers)
+
+    def validate(self, num_layers: int) -> "SkipSet":
+        bad = sorted(i for i in self.attn | self.mlp if not 0 <= i < num_layers)
+        if bad:
+            raise SkipSetError(
+                f"skip set names layer(s) {bad} but the model has layers 0..{num_layers - 1}"
+            )
+        return self
+
+    @property
+    def size(self) -> int:
+        """Number of skipped sublayers."""
+        return len(self.attn) + len(self.mlp)
+
+    def ratio(self, num_layers: int) -> float:
+        """Fraction of the model's 2*num_layers sublayers that are skipped."""
+        return self.size / (2 * num_layers)
+
+    def is_empty(self) -> bool:
+        return not self.attn and not self.mlp
+
+    def __str__(self) -> str:
+        return f"attn:{','.join(map(str, sorted(self.attn)))};mlp:{','.join(map(str, sorted(self.mlp)))}"
+
+    def to_vector(self, num_layers: int) -> list[int]:
+        """0/1 vector of length 2L: attention bits for layers 0..L-1, then MLP bits."""
+        return [int(i in self.attn) for i in range(num_layers)] + [
+            int(i in self.mlp) for i in range(num_layers)
+        ]
+
+    @classmethod
+    def from_vector(cls, bits: list[int] | tuple[int, ...]) -> "SkipSet":
+        n = len(bits) // 2
+        return cls(
+            frozenset(i for i in range(n) if bits[i]), frozenset(i for i in range(n) if bits[n + i])
+        )
+
+
+def sublayer_ids(num_layers: int, first_last_kept: bool = True) -> list[tuple[str, int]]:
+    """All (kind, layer) sublayers that may be skipped; first and last layer kept by default
+    because skipping them destroys the draft (every layer-skip paper keeps them)."""
+    layers = range(1, num_layers - 1) if first_last_kept and num_layers > 2 else range(num_layers)
+    return [(kind, i) for i in layers for kind in ("attn", "mlp")]
+
+
+def skipset_from_sublayers(sublayers: list[tuple[str, int]] | set[tuple[str, int]]) -> SkipSet:
+    return SkipSet(
+        frozenset(i for kind, i in sublayers if kind == "attn"),
+        frozenset(i for kind, i in sublayers if kind == "mlp"),
+    )
+
+
+def random_skipset(num_layers: int, ratio: float, rng: random.Random) -> SkipSet:
+    """A uniformly random skip set with round(ratio * 2L) sublayers, first/last layer kept."""
+    candidates = sublayer_ids(num_layers)
+    count = min(len(candidates), round(ratio * 2 * num_layers))
+    return skipset_from_sublayers(rng.sample(candidates, count))
+
+
+def ranked_skipset(order: list[tuple[str, int]], count: int) -> SkipSet:
+    """Skip the first `count` sublayers of an order (least important first)."""
+    return skipset_from_sublayers(order[: max(0, count)])
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """What the engine runs for one window. `skip=None` means plain decoding (no drafts)."""
+
+    skip: SkipSet | None = None
+    # SWIFT's defaults: stop drafting when the draft's top-1 probability drops below 0.8,
+    # at most 25 tokens. On a CPU in bf16, verifying up to ~16 tokens costs about one step.
+    max_draft: int = 25
+    threshold: float = 0.8
+    # A candidate skip set whose teacher-forced top-1 agreement with the committed text the
+    # engine should measure during the window (SWIFT's "matchness"); costs one draft pass.
+    probe: SkipSet | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.skip is not None
+
+    def with_skip(self, skip: SkipSet | None) -> "DraftConfig":
+        return replace(self, skip=skip)
+
+    def describe(self, num_layers: int) -> str:
+        if self.skip is None:
+            return "vanilla"
+        return f"ratio={self.skip.ratio(num_layers):.2f} {self.skip}"
+
+
+VANILLA = DraftConfig(skip=None)
