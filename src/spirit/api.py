@@ -98,7 +98,12 @@ class TextStream:
             if cut is not None:
                 text, stop_hit = text[:cut], True
             elif text.endswith("\ufffd"):
-                continue  # half a multi-byte character: wait for the rest
+                continue  # maybe half a multi-byte character: wait for the rest
+            if len(text) > len(emitted) and text.startswith(emitted):
+                yield text[len(emitted):]
+            emitted = text
+        if not stop_hit:  # the last pieces may have ended in a (truly) invalid byte sequence
+            text = tok.decode(ids, skip_special_tokens=True)
             if len(text) > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted):]
             emitted = text

@@ -38,8 +38,10 @@ def tiny_config(arch: str, num_layers: int = 4, vocab_size: int = 264, hidden: i
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=258,
-        pad_token_id=256, bos_token_id=None, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        # the byte tokenizer's <|im_end|> and <|endoftext|>; none when the vocabulary is smaller
+        eos_token_id=258 if vocab_size > 258 else None, pad_token_id=256 if vocab_size > 256 else None,
+        bos_token_id=None, tie_word_embeddings=False,
     )
     if arch == "llama":
         return LlamaConfig(**common)
@@ -56,7 +58,10 @@ def tiny_config(arch: str, num_layers: int = 4, vocab_size: int = 264, hidden: i
     raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
-def tiny_model(arch: str = "llama", num_layers: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
+def tiny_model(
+    arch: str = "llama", num_layers: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32,
+    logit_scale: float = 8.0, **kw,
+):
     """A random-initialized *ForCausalLM of the given architecture, in eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -67,7 +72,7 @@ def tiny_model(arch: str = "llama", num_layers: int = 4, seed: int = 0, dtype: t
     # random init gives near-uniform logits; a larger embedding scale makes greedy choices
     # clear-cut, so exactness tests are not decided by float ties
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(logit_scale)
     return model.eval()
 
 

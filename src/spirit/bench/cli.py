@@ -1,0 +1,148 @@
+"""`spirit bench`: parse arguments, load the model, hand over to `run_bench`, write outputs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+# --quick: the bundled small model on one question of each Spec-Bench task (MT-Bench's
+# two-turn "writing" included), short answers: a few minutes on 2 cores.
+QUICK_MODEL = "smollm2-135m"
+QUICK_METHODS = ("vanilla", "static", "spirit")
+QUICK_CATEGORIES = ("writing", "translation", "summarization", "qa", "math_reasoning", "rag")
+QUICK_PER_CATEGORY = 1
+QUICK_MAX_NEW_TOKENS = 48
+DEFAULT_MAX_NEW_TOKENS = 128  # Spec-Bench's MT-Bench setting is 1024; 128 keeps CPU runs short
+DEFAULT_PER_BLOCK = 4
+
+
+def _split(text: str | None) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else []
+
+
+def register(subparsers) -> None:
+    from spirit.cli import _add_model_args
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark methods on Spec-Bench questions",
+        description="Run methods interleaved on Spec-Bench questions; write results.json, report.md, "
+                    "Spec-Bench answer files and plots into --out.",
+    )
+    _add_model_args(p)
+    p.set_defaults(model=None)  # None: the bundled default, or the small model with --quick
+    p.add_argument("--questions", default=None,
+                   help="Spec-Bench question JSONL (default ../shared/data/specbench/dev.jsonl)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods (default: every registered one plus hf; vanilla is always added)")
+    p.add_argument("--categories", default=None, help="comma-separated categories to run (default all)")
+    p.add_argument("--per-category", type=int, default=None, help="first N questions of each category (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--skip", default=None,
+                   help="skip set for 'static', e.g. 'attn:4,9;mlp:4,9,12' (default: MLPs of every other middle layer, ~20%%)")
+    p.add_argument("--stream", default=None,
+                   help="stream mode: comma-separated categories, one block each, e.g. 'qa,summarization,qa'")
+    p.add_argument("--per-block", type=int, default=None, help=f"questions per stream block (default {DEFAULT_PER_BLOCK})")
+    p.add_argument("--out", default=None, help="output folder (default results/bench-<time>)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_MODEL}, one question of each of {len(QUICK_CATEGORIES)} categories, "
+                        f"{QUICK_MAX_NEW_TOKENS} tokens, methods {','.join(QUICK_METHODS)} (those registered)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each method")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_bench)
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """Everything the run needs, from the arguments alone (no model loaded): checked here so
+    that bad input fails before a model is loaded."""
+    from spirit.bench.questions import load_questions, resolve_questions_path, select, stream_blocks
+    from spirit.bench.runner import available_methods, with_baseline
+    from spirit.model.bundled import DEFAULT_MODEL
+    from spirit.skipset import SkipSet
+
+    known = available_methods()
+    if args.methods is not None:
+        methods = _split(args.methods)
+        if not methods:
+            raise ValueError("--methods is empty; name at least one, e.g. vanilla,static")
+        unknown = [m for m in methods if m not in known]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
+    elif args.quick:
+        methods = [m for m in QUICK_METHODS if m in known]
+    else:
+        methods = known
+    methods = with_baseline(methods)
+
+    max_new = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
+    if max_new < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
+    skip = SkipSet.parse(args.skip) if args.skip else None
+
+    questions = load_questions(resolve_questions_path(args.questions))
+    blocks = None
+    if args.stream is not None:
+        if args.categories or args.per_category:
+            raise ValueError("--stream chooses its own questions; drop --categories / --per-category")
+        blocks = stream_blocks(questions, _split(args.stream), args.per_block or DEFAULT_PER_BLOCK)
+        chosen = None
+    else:
+        if args.per_block is not None:
+            raise ValueError("--per-block needs --stream")
+        categories = _split(args.categories) or (list(QUICK_CATEGORIES) if args.quick else None)
+        if args.quick and not args.categories:
+            present = {q.category for q in questions}
+            categories = [c for c in categories if c in present] or None
+        per_category = args.per_category or (QUICK_PER_CATEGORY if args.quick else None)
+        chosen = select(questions, categories, per_category)
+    model = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
+    out = Path(args.out) if args.out else Path("results") / f"{'quick' if args.quick else 'bench'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return dict(model=model, methods=methods, max_new_tokens=max_new, skip=skip, questions=chosen, blocks=blocks, out=out)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import spirit
+    from spirit.bench.report import write_outputs
+    from spirit.bench.runner import run_bench
+
+    p = plan(args)
+    n = len(p["questions"]) if p["questions"] is not None else sum(len(b.questions) for b in p["blocks"])
+    print(f"spirit bench: {p['model']}, {n} questions, methods {','.join(p['methods'])}, "
+          f"max {p['max_new_tokens']} new tokens -> {p['out']}", file=sys.stderr)
+    lm = spirit.load(p["model"], dtype=args.dtype)
+    if p["skip"] is not None:
+        p["skip"].validate(lm.num_layers)
+    result = run_bench(
+        lm, p["questions"], p["methods"], blocks=p["blocks"], max_new_tokens=p["max_new_tokens"], skip=p["skip"],
+        warmup=not args.no_warmup, progress=not args.no_progress,
+    )
+    paths = write_outputs(result, p["out"])
+    print(summary(result))
+    print(f"wrote {paths['report']}, {paths['json']}, {p['out'] / 'answers'}/*.jsonl, "
+          + ", ".join(str(paths[k]) for k in ("speedup", "timeline") if k in paths))
+    return 0
+
+
+def summary(result) -> str:
+    """A few lines for the terminal: overall figures per method."""
+    from spirit.bench.metrics import OVERALL
+
+    table = result.by_category()
+    lossless = result.lossless()
+    lines = [f"{'method':10s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'tok/step':>8s}  lossless"]
+    for method, row in table.items():
+        f = row[OVERALL]
+        ll = lossless.get(method)
+        ll_text = "reference" if ll is None else f"{ll.identical_questions}/{ll.questions}" + ("" if ll.lossless else "  NOT LOSSLESS")
+        lines.append(f"{method:10s} {f.tokens_per_s:8.2f} {(f.speedup or 0):7.2f}x {f.counters.acceptance_rate:7.2f} "
+                     f"{f.committed_per_step:8.2f}  {ll_text}")
+    if result.blocks:
+        blocks = result.by_block()
+        lines.append("stream tokens/s per block: " + "; ".join(
+            f"{b.index}:{b.category} " + " ".join(f"{m}={blocks[m][b.index].tokens_per_s:.1f}" for m in blocks if b.index in blocks[m])
+            for b in result.blocks))
+    if result.sol and result.sol.get("available") and result.sol.get("percent_of_sol") is not None:
+        lines.append(f"vanilla decoding at {result.sol['percent_of_sol']:.1f}% of the speed-of-light bound")
+    lines.append(f"total {result.elapsed_s:.1f} s")
+    return "\n".join(lines)

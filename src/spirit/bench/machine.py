@@ -1,0 +1,80 @@
+"""What the benchmark ran on, and how close plain decoding came to the speed-of-light bound."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def peak_rss_bytes() -> int:
+    """The process's high-water mark (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024
+
+
+def machine_info(lm) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "cores": usable_cores(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "model": lm.name,
+        "num_layers": lm.num_layers,
+    }
+
+
+def vanilla_sol(lm, runs) -> dict | None:
+    """Vanilla decoding as a share of the speed-of-light bound of `spirit.sol`.
+
+    percent = 100 * bound seconds per token / measured decode seconds per token, at the mean
+    context length of vanilla's turns. Optional: without spirit.sol (or if it fails) the
+    reason is reported instead of a number.
+    """
+    turns = [t.stats for r in runs if r.method == "vanilla" for t in r.turns]
+    decode_tokens = sum(max(0, s.new_tokens - 1) for s in turns)  # the prefill's token is not decoded
+    decode_time = sum(s.wall_time_s - s.prefill_time_s for s in turns)
+    if not turns or decode_tokens == 0 or decode_time <= 0:
+        return None
+    context = statistics.fmean(s.prompt_tokens + s.new_tokens / 2 for s in turns)
+    measured = decode_time / decode_tokens
+    try:
+        from spirit.sol import decode_step_seconds
+
+        bound = float(decode_step_seconds(lm.hf_model.config, lm.dtype, int(context), hardware="this-cpu"))
+    except Exception as exc:  # optional subsystem: absent, unfinished, or no data for this CPU
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}", "measured_s_per_token": measured}
+    return {
+        "available": True,
+        "context_tokens": round(context, 1),
+        "sol_s_per_token": bound,
+        "measured_s_per_token": measured,
+        "percent_of_sol": 100.0 * bound / measured if measured > 0 else None,
+    }

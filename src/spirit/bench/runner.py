@@ -1,0 +1,252 @@
+"""Run methods on questions, interleaved, and gather the figures.
+
+The runner takes a loaded `Spirit` and questions; it never parses arguments or loads models
+(that is `spirit.bench.cli`). Each method is a `MethodRunner`, looked up by name, so tests can
+add a fake (for instance one that breaks losslessness on purpose).
+
+Order: after a warm-up of every method, question by question, every method in turn
+(A B C, A B C, ...), so slow drift of the machine (thermals, other tenants) hits all
+methods alike. Multi-turn questions run turn by turn within one method's turn, each method
+continuing its own conversation with the chat template, as Spec-Bench does.
+
+Adaptive policies are kept per method inside the `Spirit`, so their state carries from one
+question to the next: a category run and a stream run are both one stream per method.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from spirit.bench.metrics import BASELINE, QuestionRun, TurnResult, compare_lossless, summarize
+from spirit.bench.questions import Block, Question
+from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
+
+WARMUP_TOKENS = 16  # enough to run the prefill and a few draft rounds of every method once
+
+
+class MethodRunner(Protocol):
+    """Answers one turn; `warmup=True` must leave the method's kept state untouched."""
+
+    def __call__(self, lm, prompt: list[dict] | str, max_new_tokens: int, tag: str | None, *, warmup: bool = False): ...
+
+
+@dataclass(frozen=True)
+class SpiritMethod:
+    """A method of `Spirit.generate`: a registered policy name, or "hf"."""
+
+    name: str
+    skip: SkipSet | None = None  # only for policies that take one ("static")
+
+    def _kwargs(self) -> dict:
+        return {"skip": self.skip} if self.skip is not None else {}
+
+    def __call__(self, lm, prompt, max_new_tokens, tag, *, warmup=False):
+        chat = not isinstance(prompt, str)
+        kwargs = dict(method=self.name, max_new_tokens=max_new_tokens, chat=chat, tag=tag, temperature=0.0)
+        if warmup and self.name != "hf":
+            # a throwaway policy: the kept one must start the measured stream fresh
+            from spirit.policies import REGISTRY, ModelInfo
+
+            extra = {"skip": self.skip.validate(lm.num_layers)} if self.skip is not None else {}
+            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), DraftConfig(), **extra)
+            return lm.generate(prompt, policy=policy, **kwargs)
+        return lm.generate(prompt, **kwargs, **self._kwargs())
+
+
+def available_methods() -> list[str]:
+    from spirit.policies import REGISTRY
+
+    return REGISTRY.names() + ["hf"]
+
+
+def default_static_skip(num_layers: int, ratio: float = 0.2) -> SkipSet:
+    """MLPs of every other middle layer, round(ratio * 2L) sublayers, nearest the middle first.
+
+    A plain, reproducible baseline for "static" (the first and last layer are kept, as every
+    layer-skip paper does); a tuned skip set is what the adaptive methods are for."""
+    middle = list(range(1, num_layers - 1)) if num_layers > 2 else list(range(num_layers))
+    centre = (num_layers - 1) / 2
+    alternate = sorted(middle[::2], key=lambda i: abs(i - centre))
+    others = sorted(middle[1::2], key=lambda i: abs(i - centre))
+    count = min(len(middle), max(1, round(ratio * 2 * num_layers)))
+    return skipset_from_sublayers([("mlp", i) for i in (alternate + others)[:count]])
+
+
+def build_runners(methods: Sequence[str], skip: SkipSet | None) -> dict[str, MethodRunner]:
+    """Runners for method names; unknown names are a user error that lists the known ones."""
+    known = available_methods()
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
+    return {m: SpiritMethod(m, skip if m == "static" else None) for m in methods}
+
+
+def with_baseline(methods: Sequence[str]) -> list[str]:
+    """The methods in the given order, vanilla first if it was not named (it is the
+    reference for speedups and for the lossless check)."""
+    methods = list(dict.fromkeys(methods))
+    return methods if BASELINE in methods else [BASELINE, *methods]
+
+
+def schedule(questions: Sequence[Question], methods: Sequence[str]) -> list[tuple[int, Question, str]]:
+    """(slot, question, method) in interleaved order: every method on question 0, then on
+    question 1, and so on."""
+    return [(slot, q, m) for slot, q in enumerate(questions) for m in methods]
+
+
+class RssSampler:
+    """Highest resident set size while a block of code runs, sampled by a light thread."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+        self._interval = interval_s
+        self.peak = 0
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = 0
+        self._stop = threading.Event()
+        self._sample()
+
+        def loop() -> None:
+            while not self._stop.wait(self._interval):
+                self._sample()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def as_prompt(lm, messages: list[dict]) -> list[dict] | str:
+    """Chat messages for a model with a chat template; a plain transcript otherwise."""
+    if getattr(lm.tokenizer, "chat_template", None):
+        return messages
+    lines = [f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}" for m in messages]
+    return "\n\n".join(lines) + "\n\nAssistant:"
+
+
+def answer(lm, runner: MethodRunner, question: Question, max_new_tokens: int) -> list[TurnResult]:
+    """Ask the question's turns in order, continuing the conversation with each answer."""
+    messages: list[dict] = []
+    turns = []
+    for text in question.turns:
+        messages.append({"role": "user", "content": text})
+        result = runner(lm, as_prompt(lm, messages), max_new_tokens, question.category)
+        turns.append(TurnResult(result.text, list(result.token_ids), result.stats, result.finish_reason))
+        messages.append({"role": "assistant", "content": result.text})
+    return turns
+
+
+@dataclass
+class BenchResult:
+    model: str
+    dtype: str
+    methods: list[str]
+    questions: list[Question]
+    runs: list[QuestionRun]
+    blocks: list[Block] | None = None
+    settings: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+    sol: dict | None = None
+    elapsed_s: float = 0.0
+    decode: Callable[[list[int]], str] | None = None
+
+    def by_category(self):
+        return summarize(self.runs)
+
+    def by_block(self):
+        return summarize(self.runs, key=lambda r: r.block) if self.blocks else {}
+
+    def lossless(self):
+        return compare_lossless(self.runs, self.decode)
+
+
+def run_bench(
+    lm,
+    questions: Sequence[Question] | None = None,
+    methods: Sequence[str] = ("vanilla",),
+    *,
+    blocks: Sequence[Block] | None = None,
+    max_new_tokens: int = 128,
+    skip: SkipSet | None = None,
+    runners: dict[str, MethodRunner] | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+) -> BenchResult:
+    """Run `methods` on `questions` (or on the questions of stream `blocks`), interleaved.
+
+    `runners` maps extra method names to runners (tests, experiments); the other names are
+    looked up among the registered policies and "hf".
+    """
+    from tqdm import tqdm
+
+    from spirit.bench.machine import machine_info, vanilla_sol
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if blocks is not None:
+        questions = [q for b in blocks for q in b.questions]
+        block_of = [b.index for b in blocks for _ in b.questions]
+    else:
+        questions = list(questions or [])
+        block_of = [None] * len(questions)
+    if not questions:
+        raise ValueError("no questions to run (check --categories / --per-category)")
+    methods = with_baseline(methods)
+    given = dict(runners or {})
+    if "static" in methods and skip is None:
+        skip = default_static_skip(lm.num_layers)
+    table = {**build_runners([m for m in methods if m not in given], skip), **given}
+
+    t_start = time.perf_counter()
+    if warmup:
+        first = questions[0]
+        prompt = as_prompt(lm, [{"role": "user", "content": first.turns[0]}])
+        for m in tqdm(methods, desc="warm-up", unit="method", disable=not progress, leave=False):
+            table[m](lm, prompt, min(WARMUP_TOKENS, max_new_tokens), first.category, warmup=True)
+
+    runs: list[QuestionRun] = []
+    order = schedule(questions, methods)
+    sampler = RssSampler()
+    bar = tqdm(order, desc="bench", unit="answer", disable=not progress, dynamic_ncols=True)
+    for n, (slot, question, method) in enumerate(bar):
+        bar.set_postfix_str(f"{method} q{question.question_id} {question.category}", refresh=False)
+        with sampler:
+            turns = answer(lm, table[method], question, max_new_tokens)
+        runs.append(QuestionRun(method, question, turns, slot, n, block_of[slot], sampler.peak))
+    bar.close()
+
+    result = BenchResult(
+        model=lm.name,
+        dtype=str(lm.dtype).removeprefix("torch."),
+        methods=methods,
+        questions=list(questions),
+        runs=runs,
+        blocks=list(blocks) if blocks is not None else None,
+        settings={
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "warmup": warmup,
+            "static_skip": str(skip) if skip is not None else None,
+            "order": "interleaved by question (" + " ".join(methods) + ", ...)",
+        },
+        machine=machine_info(lm),
+        decode=lambda ids: lm.tokenizer.decode(ids, skip_special_tokens=False),
+    )
+    result.sol = vanilla_sol(lm, runs)
+    result.elapsed_s = time.perf_counter() - t_start
+    return result

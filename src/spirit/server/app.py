@@ -1,0 +1,456 @@
+"""The OpenAI-compatible HTTP app over one `Spirit`: `create_app(lm, ServerConfig(...))`.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
+`stream: true` as server-sent events), GET /health, GET /metrics (Prometheus text).
+
+Requests are checked on the event loop (schema, model name, method, sampling parameters,
+prompt length against the context) and answered with a 4xx and an OpenAI error body when
+wrong; accepted ones wait in the scheduler's bounded line (429 + Retry-After when it is
+full) and run one at a time on its worker thread. A request that times out (504) or whose
+client goes away is cancelled, which frees the engine after its current round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spirit.api import GenerationResult, Spirit
+from spirit.engine import ContextLengthError
+from spirit.policies import REGISTRY
+from spirit.sampling import SamplingParams
+from spirit.server.metrics import Metrics
+from spirit.server.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+from spirit.server.schemas import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    method: str = "spirit"  # decoding method when a request names none (the adaptive default)
+    max_queue: int = 16  # requests that may wait behind the running one; more get a 429
+    request_timeout_s: float | None = 300.0  # queue wait + generation; None = no limit
+    api_key: str | None = None  # Bearer token required on every route but /health
+    model_name: str | None = None  # the name clients use; default the model's own name
+    skip: str | None = None  # the skip set of --method static
+    chat_max_tokens: int = 512  # chat requests without max_tokens: this, or the context left
+    poll_s: float = 0.25  # how often a waiting request checks that its client is still there
+
+
+GREEDY_BELOW = 1e-5
+
+
+class APIError(Exception):
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _TimedOut(Exception):
+    pass
+
+
+class _Events:
+    """Reads a job's events, giving up at the deadline or when the client has gone away."""
+
+    def __init__(self, request: Request, job: Job, deadline: float | None, poll_s: float) -> None:
+        self.request, self.job, self.deadline, self.poll_s = request, job, deadline, poll_s
+        self._getter: asyncio.Future | None = None  # kept across polls so no event is lost
+
+    async def next(self) -> tuple[str, object]:
+        while True:
+            wait = self.poll_s
+            if self.deadline is not None:
+                wait = min(wait, self.deadline - time.perf_counter())
+                if wait <= 0:
+                    raise _TimedOut
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.job.events.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=wait)
+            if done:
+                event, self._getter = self._getter.result(), None
+                return event
+            if await self.request.is_disconnected():
+                raise _ClientGone
+
+    def close(self) -> None:
+        if self._getter is not None:
+            self._getter.cancel()
+
+
+def _job_error(exc: BaseException) -> APIError:
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, (ValueError, KeyError)):
+        return APIError(400, str(exc))
+    if isinstance(exc, SchedulerClosed):
+        return APIError(503, str(exc), "server_error", code="shutting_down")
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+
+
+class _Server:
+    """The state behind the routes: the model, its scheduler, the metrics."""
+
+    def __init__(self, lm: Spirit, config: ServerConfig) -> None:
+        self.lm, self.config = lm, config
+        self.name = config.model_name or lm.name
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(lm, config.max_queue, on_finish=self._finished)
+        self.vocab_size = int(getattr(lm.hf_model.config, "vocab_size", 0) or len(lm.tokenizer))
+
+    def _finished(self, job: Job, result: GenerationResult | None, error: BaseException | None) -> None:
+        if result is not None:
+            self.metrics.observe_generation(result)
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.name, self.lm.name):
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+
+    def check_method(self, method: str | None) -> str:
+        method = method or self.config.method
+        names = [m for m in REGISTRY.names() if m != "hf"]
+        if method not in names:
+            raise APIError(400, f"unknown method {method!r}; choose one of {', '.join(names)}", param="method")
+        return method
+
+    def prepare(self, body, prompt_ids: list[int], max_tokens: int | None, param: str) -> dict:
+        """The keyword arguments of Spirit.stream, or an APIError for a bad request."""
+        method = self.check_method(body.method)
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        if not prompt_ids:
+            raise APIError(400, "the prompt encodes to no tokens", param=param)
+        context = self.lm.engine.max_context
+        if max_tokens is None:  # chat without a limit: what the context leaves, within a bound
+            max_tokens = max(1, min(self.config.chat_max_tokens, context - len(prompt_ids)))
+        # below this a temperature is greedy decoding (vLLM's epsilon); dividing logits by 1e-40
+        # overflows float32 and the sampler would fail
+        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+        # a top_p that rounds to 0 in float32 would keep no token; any top_p this small keeps one
+        top_p = max(body.top_p, GREEDY_BELOW)
+        try:
+            SamplingParams(temperature, top_p, body.top_k, body.seed)
+            self.lm.engine.check_fits(len(prompt_ids), max_tokens)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        kwargs = dict(max_new_tokens=max_tokens, method=method, temperature=temperature, top_p=top_p,
+                      top_k=body.top_k, seed=body.seed, stop=body.stop_list)
+        if method == "static" and self.config.skip:
+            kwargs["skip"] = self.config.skip
+        return kwargs
+
+    def encode(self, prompt, chat: bool, param: str) -> list[int]:
+        try:
+            return self.lm.encode(prompt, chat)
+        except ValueError as exc:  # no chat template, text the tokenizer cannot encode
+            raise APIError(400, str(exc), param=param) from None
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(self, request: Request, prompt_ids: list[int], kwargs: dict, chat: bool, stream: bool,
+                  include_usage: bool) -> Response:
+        try:
+            job = self.scheduler.submit(prompt_ids, kwargs)
+        except QueueFull as exc:
+            raise APIError(429, f"the server is busy ({exc}); retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.scheduler.retry_after_s())}) from None
+        except SchedulerClosed as exc:
+            raise APIError(503, str(exc), "server_error", code="shutting_down") from None
+        timeout = self.config.request_timeout_s
+        events = _Events(request, job, time.perf_counter() + timeout if timeout else None, self.config.poll_s)
+        try:
+            kind, value = await events.next()  # "started", or an error found while starting
+        except (_TimedOut, _ClientGone) as exc:
+            events.close()
+            self.scheduler.withdraw(job)
+            if isinstance(exc, _ClientGone):
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            raise APIError(504, f"the request timed out after {timeout:g} s (waiting and generating)",
+                           "timeout_error", code="timeout") from None
+        if kind == "error":
+            events.close()
+            raise _job_error(value)
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if stream:
+            return StreamingResponse(self._sse(events, ident, len(prompt_ids), chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while True:
+                kind, value = await events.next()
+                if kind == "done":
+                    break
+                if kind == "error":
+                    raise _job_error(value)
+        except (_TimedOut, _ClientGone) as exc:
+            self.scheduler.withdraw(job)
+            if isinstance(exc, _ClientGone):
+                return Response(status_code=499)
+            raise APIError(504, f"the request timed out after {timeout:g} s (waiting and generating)",
+                           "timeout_error", code="timeout") from None
+        finally:
+            events.close()
+        return JSONResponse(self._full_body(ident, value, len(prompt_ids), chat))
+
+    def _usage(self, n_prompt: int, result: GenerationResult) -> dict:
+        n_new = len(result.token_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+
+    def _spirit(self, result: GenerationResult) -> dict:
+        s = result.stats
+        return {"method": result.method, "tokens_per_s": round(s.tokens_per_s, 3),
+                "acceptance_rate": round(s.counters.acceptance_rate, 4),
+                "skip_ratio": s.windows[-1].get("skip_ratio", 0.0) if s.windows else 0.0}
+
+    @staticmethod
+    def _finish(result: GenerationResult) -> str:
+        return "stop" if result.finish_reason == "stop" else "length"
+
+    def _full_body(self, ident: str, result: GenerationResult | None, n_prompt: int, chat: bool) -> dict:
+        if result is None:
+            raise APIError(500, "generation ended without a result", "server_error")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": self._finish(result)}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": self._finish(result)}
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.name, "system_fingerprint": None, "choices": [choice],
+                "usage": self._usage(n_prompt, result), "spirit": self._spirit(result)}
+
+    async def _sse(self, events: _Events, ident: str, n_prompt: int, chat: bool, include_usage: bool):
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None = None, first: bool = False, **extra) -> str:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                if first:
+                    delta = {"role": "assistant", "content": ""}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            body = {"id": ident, "object": obj, "created": created, "model": self.name, "system_fingerprint": None,
+                    "choices": [choice], **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk(None, first=True)
+            while True:
+                try:
+                    kind, value = await events.next()
+                except _TimedOut:
+                    err = {"message": f"the request timed out after {self.config.request_timeout_s:g} s",
+                           "type": "timeout_error", "param": None, "code": "timeout"}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    break
+                if kind == "piece":
+                    yield chunk(value)
+                elif kind == "error":
+                    e = _job_error(value)
+                    err = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+                    finished = True
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    break
+                elif kind == "done":
+                    finished = True
+                    result: GenerationResult = value
+                    yield chunk(None, self._finish(result), spirit=self._spirit(result))
+                    if include_usage:
+                        usage = {"id": ident, "object": obj, "created": created, "model": self.name,
+                                 "system_fingerprint": None, "choices": [], "usage": self._usage(n_prompt, result)}
+                        yield f"data: {json.dumps(usage)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        except _ClientGone:
+            pass
+        finally:  # also reached when the client disconnects and the response task is cancelled
+            events.close()
+            if not finished:
+                self.scheduler.withdraw(events.job)
+
+
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+def _route_label(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class _Guard:
+    """ASGI middleware: the API key check (every route but /health) and the request metrics."""
+
+    def __init__(self, app, server: _Server) -> None:
+        self.app, self.server = app, server
+        key = server.config.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = 500
+        label = _route_label(scope["path"])
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and scope["path"] != "/health":
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                    return await response(scope, receive, send_and_note)
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.server.metrics.observe_request(label, status, time.perf_counter() - t0)
+
+
+# pydantic's name for a branch of a union in an error location: `str`, `list[int]`, `TextPart`
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|.*\[.*\]|[A-Z]\w*)$")
+
+
+def _param(loc) -> str | None:
+    """The dotted field path of a validation error, without "body" or union branch names."""
+    parts: list[str] = []
+    for p in loc:
+        if p == "body":
+            continue
+        if isinstance(p, str) and _UNION_BRANCH.match(p):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app serving `lm`; its worker thread starts now and stops at shutdown."""
+    if config.method not in REGISTRY.names() or config.method == "hf":
+        names = ", ".join(m for m in REGISTRY.names() if m != "hf")
+        raise ValueError(f"unknown method {config.method!r} for the server; choose one of {names}")
+    if config.method == "static" and not config.skip:
+        raise ValueError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
+    if config.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    if config.request_timeout_s is not None and config.request_timeout_s <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {config.request_timeout_s}")
+    server = _Server(lm, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.scheduler.close()
+
+    app = FastAPI(title="spirit", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions over spirit's self-speculative decoding.")
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json")
+        param = _param(first.get("loc", ()))
+        same = [e for e in errors if _param(e.get("loc", ())) == param]
+        said = " or ".join(dict.fromkeys(str(e.get("msg")) for e in same))  # a union: each way it failed
+        message = f"{param}: {said}" if param else said
+        if len(errors) > len(same):
+            message += f" (and {len(errors) - len(same)} more problems)"
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        s = server.scheduler
+        return {"status": "ok", "model": server.name, "queue_depth": s.queue_depth, "busy": s.busy}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        s = server.scheduler
+        text = server.metrics.render(s.queue_depth, s.max_queue, s.busy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": server.name, "object": "model", "created": server.created, "owned_by": "spirit"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str):
+        server.check_model(model)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        prompt = body.prompt
+        ids = list(prompt) if isinstance(prompt, list) else server.encode(prompt, False, "prompt")
+        kwargs = server.prepare(body, ids, body.max_tokens, "prompt")
+        return await server.run(request, ids, kwargs, False, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        ids = server.encode(body.chat_messages(), True, "messages")
+        kwargs = server.prepare(body, ids, body.token_limit, "messages")
+        return await server.run(request, ids, kwargs, True, body.stream, body.include_usage)
+
+    app.add_middleware(_Guard, server=server)
+    return app

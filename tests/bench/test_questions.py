@@ -1,0 +1,77 @@
+import json
+
+import pytest
+
+from spirit.bench.questions import (
+    Question, QuestionFileError, load_questions, resolve_questions_path, select, stream_blocks,
+)
+
+
+def write(tmp_path, lines, name="q.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+QUESTIONS = [
+    {"question_id": 1, "category": "qa", "turns": ["q1"]},
+    {"question_id": 2, "category": "writing", "turns": ["w1", "w2"]},
+    {"question_id": 3, "category": "qa", "turns": ["q3"]},
+    {"question_id": 4, "category": "math", "turns": ["m4"]},
+    {"question_id": 5, "category": "qa", "turns": ["q5"]},
+]
+
+
+def test_load_and_select(tmp_path):
+    qs = load_questions(write(tmp_path, QUESTIONS))
+    assert qs[1] == Question(2, "writing", ("w1", "w2"))
+    assert [q.question_id for q in select(qs, per_category=1)] == [1, 2, 4]
+    assert [q.question_id for q in select(qs, ["qa"], 2)] == [1, 3]
+    assert len(select(qs)) == 5
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"question_id": 9, "turns": ["x"]}', "missing field(s) category"),
+        ('{"question_id": 9, "category": "qa", "turns": []}', "non-empty list"),
+        ('{"question_id": 9, "category": "qa", "turns": "x"}', "non-empty list"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, line, message):
+    path = write(tmp_path, [QUESTIONS[0], line])
+    with pytest.raises(QuestionFileError, match=message) as err:
+        load_questions(path)
+    assert f"{path}:2" in str(err.value)
+
+
+def test_missing_file_and_unknown_category(tmp_path):
+    with pytest.raises(QuestionFileError, match="does not exist"):
+        load_questions(tmp_path / "nope.jsonl")
+    qs = load_questions(write(tmp_path, QUESTIONS))
+    with pytest.raises(QuestionFileError, match="unknown category 'poetry'"):
+        select(qs, ["qa", "poetry"])
+    with pytest.raises(QuestionFileError, match="unknown category"):
+        stream_blocks(qs, ["qa", "poetry"], 1)
+    assert issubclass(QuestionFileError, ValueError)  # the CLI turns it into one line, exit 2
+
+
+def test_stream_blocks_take_fresh_questions_for_a_repeated_category(tmp_path):
+    qs = load_questions(write(tmp_path, QUESTIONS))
+    blocks = stream_blocks(qs, ["qa", "math", "qa"], 2)
+    assert [(b.index, b.category) for b in blocks] == [(0, "qa"), (1, "math"), (2, "qa")]
+    assert [q.question_id for q in blocks[0].questions] == [1, 3]
+    assert [q.question_id for q in blocks[1].questions] == [4, 4]  # one math question: it repeats
+    assert [q.question_id for q in blocks[2].questions] == [5, 1]  # continues, then wraps
+
+
+def test_resolve_questions_path(tmp_path):
+    assert str(resolve_questions_path("x.jsonl")) == "x.jsonl"
+    data = tmp_path / "shared" / "data" / "specbench"
+    data.mkdir(parents=True)
+    (data / "dev.jsonl").write_text(json.dumps(QUESTIONS[0]) + "\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert resolve_questions_path(None, cwd=repo) == (data / "dev.jsonl").resolve()

