@@ -8,6 +8,16 @@ from spirit.bench.cli import QUICK_METHODS, plan
 from spirit.cli import build_parser, main
 
 
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    import spirit
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input must be refused before a model is loaded")
+
+    monkeypatch.setattr(spirit, "load", refuse)
+
+
 @pytest.fixture
 def questions(tmp_path):
     path = tmp_path / "q.jsonl"
@@ -31,7 +41,7 @@ def test_plan(questions, tmp_path):
 
 def test_quick_plan(questions):
     p = plan(args("--quick", "--questions", str(questions)))
-    assert p["model"] == "smollm2-135m" and p["max_new_tokens"] == 48
+    assert p["model"] == "smollm2-135m" and p["max_new_tokens"] == 32
     assert set(p["methods"]) <= set(QUICK_METHODS) and p["methods"][0] == "vanilla"
     assert [q.category for q in p["questions"]] == ["qa"]  # the quick categories present in the file, one each
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -14,6 +16,31 @@ from spirit.testing import tiny_spirit  # noqa: E402
 # the static policy drafts with layer 1 skipped, so the speculative path really runs; greedy
 # output must still equal plain decoding
 SKIP = "attn:1;mlp:1"
+DEFAULT = ServerConfig(method="static", skip=SKIP)
+
+
+def start(**config) -> ServerThread:
+    """A live server over a fresh tiny model, DEFAULT's settings with `config` replaced."""
+    return ServerThread(tiny_spirit("llama", num_layers=4), dataclasses.replace(DEFAULT, **config)).start()
+
+
+@pytest.fixture(scope="module")
+def make_server():
+    """Start servers with other settings; they stop at the end of the module."""
+    started: list[ServerThread] = []
+
+    def make(**config) -> ServerThread:
+        started.append(start(**config))
+        return started[-1]
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server()
 
 
 @pytest.fixture(scope="session")
@@ -23,19 +50,13 @@ def ref():
     return tiny_spirit("llama", num_layers=4)
 
 
-def expected(ref, prompt, max_tokens, chat=False, method="static", **kw):
+@pytest.fixture(scope="session")
+def expected(ref):
     """What Spirit.generate gives for the same greedy request (the served default: static, SKIP)."""
-    if method == "static":
-        kw.setdefault("skip", SKIP)
-    return ref.generate(prompt, method=method, temperature=0.0, max_new_tokens=max_tokens, chat=chat, **kw).text
 
+    def generate(prompt, max_tokens, chat=False, method="static", **kw):
+        if method == "static":
+            kw.setdefault("skip", SKIP)
+        return ref.generate(prompt, method=method, temperature=0.0, max_new_tokens=max_tokens, chat=chat, **kw).text
 
-def start(config: ServerConfig = ServerConfig(method="static", skip=SKIP), **kw) -> ServerThread:
-    return ServerThread(tiny_spirit("llama", num_layers=4, **kw), config).start()
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = start()
-    yield srv
-    srv.stop()
+    return generate

@@ -9,17 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from spirit.server import ServerConfig
-from tests.server.conftest import SKIP, expected, start
 
 MAX_QUEUE = 6
 
 
 @pytest.fixture(scope="module")
-def busy_server():
-    srv = start(ServerConfig(method="static", skip=SKIP, max_queue=MAX_QUEUE, request_timeout_s=60))
-    yield srv
-    srv.stop()
+def busy_server(make_server):
+    return make_server(max_queue=MAX_QUEUE, request_timeout_s=60)
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
@@ -38,7 +34,7 @@ def wait_idle(url: str, timeout: float = 20.0) -> None:
     raise AssertionError("the engine stayed busy")
 
 
-def test_32_clients_at_once(busy_server, ref):
+def test_32_clients_at_once(busy_server, expected):
     url = busy_server.url
 
     def one(i: int):
@@ -58,7 +54,7 @@ def test_32_clients_at_once(busy_server, ref):
     for body, retry in refused:
         assert body["error"]["code"] == "queue_full" and int(retry) >= 1
     for i, body in ok:
-        assert body["choices"][0]["text"] == expected(ref, f"request {i}", 6)
+        assert body["choices"][0]["text"] == expected(f"request {i}", 6)
     wait_idle(url)
     assert metric(url, "spirit_http_requests_total", '{route="/v1/completions",status="200"}') >= len(ok)
     assert metric(url, "spirit_http_requests_total", '{route="/v1/completions",status="429"}') == len(refused)
@@ -67,7 +63,7 @@ def test_32_clients_at_once(busy_server, ref):
     assert r.status_code == 200
 
 
-def test_disconnect_mid_stream_frees_the_engine(busy_server, ref):
+def test_disconnect_mid_stream_frees_the_engine(busy_server, expected):
     url = busy_server.url
     before = metric(url, "spirit_generations_total", '{method="static",finish_reason="cancelled"}')
     body = {"prompt": "a long story", "max_tokens": 900, "temperature": 0, "stream": True}
@@ -87,22 +83,19 @@ def test_disconnect_mid_stream_frees_the_engine(busy_server, ref):
     assert after == before + 1
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json={"prompt": "next", "max_tokens": 4, "temperature": 0}, timeout=30)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(ref, "next", 4)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected("next", 4)
     assert time.perf_counter() - t0 < 10
 
 
-def test_timeout_gives_504_and_frees_the_engine():
-    srv = start(ServerConfig(method="vanilla", request_timeout_s=0.3))
-    try:
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "temperature": 0},
-                       timeout=30)
-        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-        wait_idle(srv.url, timeout=10)
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0},
-                       timeout=30)
-        assert r.status_code == 200
-    finally:
-        srv.stop()
+def test_timeout_gives_504_and_frees_the_engine(make_server):
+    srv = make_server(method="vanilla", request_timeout_s=0.3)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "temperature": 0},
+                   timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    wait_idle(srv.url, timeout=10)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0},
+                   timeout=30)
+    assert r.status_code == 200
 
 
 def test_metrics_exposition(busy_server):
@@ -112,3 +105,12 @@ def test_metrics_exposition(busy_server):
         assert re.search(rf"^{name}[{{ ]", text, re.M), name
     assert float(re.search(r"^spirit_skip_ratio (\S+)$", text, re.M).group(1)) > 0  # static skips a layer
     assert 'le="+Inf"' in text
+
+
+def test_disconnect_while_not_streaming_frees_the_engine(busy_server):
+    url = busy_server.url
+    before = metric(url, "spirit_generations_total", '{method="static",finish_reason="cancelled"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "a long story", "max_tokens": 900, "temperature": 0}, timeout=0.5)
+    wait_idle(url, timeout=15)
+    assert metric(url, "spirit_generations_total", '{method="static",finish_reason="cancelled"}') == before + 1

@@ -7,8 +7,6 @@ import json
 import httpx
 import pytest
 
-from spirit.server import ServerConfig
-from tests.server.conftest import SKIP, start
 
 BAD = [
     ("/v1/completions", b"{not json", None),
@@ -59,23 +57,28 @@ def test_still_serving_after_bad_requests(server):
     assert httpx.get(server.url + "/nowhere").json()["error"]["message"]
 
 
-def test_api_key():
-    srv = start(ServerConfig(method="static", skip=SKIP, api_key="s3cret"))
-    try:
-        body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
-        assert httpx.get(srv.url + "/health").status_code == 200  # open, for load balancers
-        for path in ("/v1/models", "/metrics", "/openapi.json"):
-            r = httpx.get(srv.url + path)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
-        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
-        wrong = {"Authorization": "Bearer nope"}
-        assert httpx.post(srv.url + "/v1/completions", json=body, headers=wrong).status_code == 401
-        right = {"Authorization": "Bearer s3cret"}
-        assert httpx.post(srv.url + "/v1/completions", json=body, headers=right, timeout=30).status_code == 200
-        assert httpx.get(srv.url + "/v1/models", headers=right).status_code == 200
-        openai = pytest.importorskip("openai")
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
-        assert openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0).models.list().data
-    finally:
-        srv.stop()
+@pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"top_p": 5e-324, "temperature": 1.0}])
+def test_tiny_sampling_values_are_served(server, extra):
+    # found by the fuzz run: these once overflowed or emptied the sampling distribution (500)
+    body = {"prompt": "x", "max_tokens": 2, "seed": 1, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_api_key(make_server):
+    srv = make_server(api_key="s3cret")
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
+    assert httpx.get(srv.url + "/health").status_code == 200  # open, for load balancers
+    for path in ("/v1/models", "/metrics", "/openapi.json"):
+        r = httpx.get(srv.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(srv.url + "/v1/completions", json=body, headers=wrong).status_code == 401
+    right = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(srv.url + "/v1/completions", json=body, headers=right, timeout=30).status_code == 200
+    assert httpx.get(srv.url + "/v1/models", headers=right).status_code == 200
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0).models.list().data

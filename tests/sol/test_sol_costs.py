@@ -142,3 +142,9 @@ def test_unknown_op_is_reported(cost_of):
     (op,) = counted(cost)
     assert op.kind == "unknown" and op.matrix_flops == op.vector_flops == 0
     assert op.bytes == 64 * B4 + 33 * 8
+
+
+def test_conv2d_flops(cost_of):
+    conv = torch.nn.Conv2d(3, 8, kernel_size=3, padding=1, bias=False)
+    (op,) = counted(cost_of(conv, torch.randn(2, 3, 16, 16)))
+    assert op.kind == "matmul" and op.matrix_flops == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)

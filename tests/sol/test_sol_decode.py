@@ -57,3 +57,12 @@ def test_draft_is_cheaper_and_speedup_bound():
 def test_bad_skip_is_rejected():
     with pytest.raises(ValueError):
         decode_cost(tiny_config("llama"), torch.float32, 10, SkipSet.parse("attn:9"))
+
+
+def test_sliding_window_closed_form_reads_only_the_window():
+    config = tiny_config("mistral")  # window 16
+    short, long = decode_cost(config, torch.float32, 8), decode_cost(config, torch.float32, 200)
+    assert long.kv_read_bytes == short.kv_read_bytes * 16 / 9
+    graph = trace_decode_step(config, context=24)
+    assert not graph.unknown  # the adapter's mask (bool &=) is costed as pointwise
+    assert graph.io_bytes() >= decode_cost(config, torch.float32, 24).bytes  # masked reads of the whole slice

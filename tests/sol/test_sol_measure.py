@@ -93,3 +93,15 @@ def test_cli_user_errors(capsys):
     assert "unknown hardware" in capsys.readouterr().err
     assert main(["sol", "module", "no/such/file.py"]) == 2
     assert main(["sol", "measure", str(EXAMPLES / "matmul.py"), "--hardware", "h200"]) == 2
+
+
+def test_tiny_decode_step_is_slower_than_its_sol(this_cpu):
+    from spirit.skipset import SkipSet
+    from spirit.sol import decode_cost
+    from spirit.sol.measure import measure_decode_step
+    from spirit.testing import tiny_model
+
+    model = tiny_model("llama")
+    for skip in (None, SkipSet.parse("attn:1;mlp:2")):
+        measured = measure_decode_step(model, 32, skip, steps=3)
+        assert measured > decode_cost(model.config, torch.float32, 32, skip).seconds(this_cpu)

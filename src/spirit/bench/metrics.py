@@ -12,6 +12,8 @@ Conventions (per-request metrics are those of spirit.stats and are not redefined
   decoding steps, Spec-Bench's "#Mean accepted tokens" (bonus included; 1.0 for vanilla).
 - *time split*: prefill, drafting, verifying (verify time = every full-model pass after the
   prefill, see spirit.stats), probing, and the rest of the wall time (policy, tokenizer).
+- *peak RSS* of a group: the highest resident set size of the process sampled while its
+  questions ran; one process holds one copy of the weights for all methods.
 """
 
 from __future__ import annotations

@@ -199,7 +199,9 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
     lines += [
         "", "Definitions: spirit.bench.metrics and spirit.stats. tokens/s = new tokens / wall time of a question "
         "(prefill included), averaged over questions (Spec-Bench); speedup against vanilla on the same questions; "
-        "accepted/round excludes the bonus token, tokens/step includes it (Spec-Bench's mean accepted tokens).", "",
+        "accepted/round excludes the bonus token, tokens/step includes it (Spec-Bench's mean accepted tokens); "
+        "peak RSS is the whole process's resident memory sampled every 0.1 s while the method ran (the weights are "
+        "shared by all methods).", "",
         "## Tokens/s per category (speedup over vanilla)", "", *_speed_table(by_category), "",
         "## Per method, all questions", "", *_method_table(by_category, lossless), "",
     ]
@@ -211,7 +213,7 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
                   "One policy state per method carried across the whole stream.", "",
                   *_speed_table(result.by_block(), label=lambda g: labels.get(g, g)), ""]
     if "timeline" in plots:
-        lines += [f"![tokens/s and skip ratio along the stream]({plots['timeline']})", ""]
+        lines += [f"![tokens/s and skip ratio along the {'stream' if result.blocks else 'run'}]({plots['timeline']})", ""]
     lines += _lossless_section(lossless)
     lines += _config_section(data["config_segments"])
     lines += [

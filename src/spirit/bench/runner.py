@@ -87,10 +87,9 @@ def build_runners(methods: Sequence[str], skip: SkipSet | None) -> dict[str, Met
 
 
 def with_baseline(methods: Sequence[str]) -> list[str]:
-    """The methods in the given order, vanilla first if it was not named (it is the
-    reference for speedups and for the lossless check)."""
-    methods = list(dict.fromkeys(methods))
-    return methods if BASELINE in methods else [BASELINE, *methods]
+    """Vanilla first (named or not: it is the reference for speedups and for the lossless
+    check), then the others in the given order, each once."""
+    return [BASELINE, *(m for m in dict.fromkeys(methods) if m != BASELINE)]
 
 
 def schedule(questions: Sequence[Question], methods: Sequence[str]) -> list[tuple[int, Question, str]]:
@@ -224,7 +223,7 @@ def run_bench(
     sampler = RssSampler()
     bar = tqdm(order, desc="bench", unit="answer", disable=not progress, dynamic_ncols=True)
     for n, (slot, question, method) in enumerate(bar):
-        bar.set_postfix_str(f"{method} q{question.question_id} {question.category}", refresh=False)
+        bar.set_postfix_str(f"running {method} q{question.question_id} {question.category}")
         with sampler:
             turns = answer(lm, table[method], question, max_new_tokens)
         runs.append(QuestionRun(method, question, turns, slot, n, block_of[slot], sampler.peak))

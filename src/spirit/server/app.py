@@ -232,7 +232,7 @@ class _Server:
 
     def _spirit(self, result: GenerationResult) -> dict:
         s = result.stats
-        return {"method": result.method, "tokens_per_s": round(s.tokens_per_s, 3),
+        return {"method": result.method, "wall_time_s": round(s.wall_time_s, 6), "tokens_per_s": round(s.tokens_per_s, 3),
                 "acceptance_rate": round(s.counters.acceptance_rate, 4),
                 "skip_ratio": s.windows[-1].get("skip_ratio", 0.0) if s.windows else 0.0}
 

@@ -10,6 +10,7 @@ round (`TextStream.cancel`), which frees the engine for the next job.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -113,9 +114,9 @@ class Scheduler:
         return self._running is not None
 
     def retry_after_s(self) -> int:
-        """A guess at when a place frees up: the mean job time times the line ahead, at least 1 s."""
+        """A guess at when a place in the line frees up: the recent mean job time, at least 1 s."""
         mean = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        return max(1, round(mean * max(1, len(self._waiting)) / max(1, self.max_queue)))
+        return max(1, math.ceil(mean))
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cond:

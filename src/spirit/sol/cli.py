@@ -30,9 +30,10 @@ def register(subparsers) -> None:
     m.set_defaults(func=cmd_model)
 
     for name, func, text in (("module", cmd_module, "bound a KernelBench-style file: Model, get_inputs(), get_init_inputs()"),
-                             ("measure", cmd_measure, "bound a KernelBench-style file and run it: measured time, % of SOL, SOL score")):
+                             ("measure", cmd_measure, "bound a KernelBench-style file and run it: measured time, %% of SOL, SOL score")):
         k = sub.add_parser(name, help=text)
-        k.add_argument("file", help="path/to/file.py or path/to/file.py:ClassName (default Model)")
+        k.add_argument("file", nargs="?" if name == "measure" else None,
+                       help="path/to/file.py or path/to/file.py:ClassName (default Model)")
         _hardware_arg(k)
         k.add_argument("--ops", type=int, default=0, help="list the N most expensive ops")
         k.add_argument("--json", action="store_true")
@@ -40,6 +41,10 @@ def register(subparsers) -> None:
             k.add_argument("--candidate", default=None, help="file.py:ModelNew to score against the file's Model")
             k.add_argument("--baseline-ms", type=float, default=None, help="baseline time for the SOL score (default: measured Model)")
             k.add_argument("--repeats", type=int, default=10)
+            k.add_argument("--model", default=None, help="instead of a file: time decode steps of this model (weights loaded)")
+            k.add_argument("--context", type=int, default=512, help="with --model: cached positions (default 512)")
+            k.add_argument("--dtype", default="auto", help="with --model: auto, bf16 or fp32")
+            k.add_argument("--skip", default=None, help="with --model: time the draft with this skip set")
         k.set_defaults(func=func)
 
 
@@ -175,6 +180,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     if args.hardware != THIS_CPU:
         raise ValueError(f"measure runs the module here; use --hardware {THIS_CPU} (or `sol module` for {args.hardware})")
+    if args.model:
+        return _measure_model(args)
+    if not args.file:
+        raise ValueError("sol measure needs a file.py[:Model] or --model NAME")
     hw, problem, model, inputs, cost, b = _bound_problem(args)
     measured = time_call(lambda: model(*inputs), repeats=args.repeats)
     extra = {"measured_s": measured, "percent_of_sol": percent_of_sol(measured, b.sol),
@@ -191,3 +200,30 @@ def cmd_measure(args: argparse.Namespace) -> int:
         extra["sol_score"] = sol_score(candidate, baseline, b.sol)
     extra["below_bound"] = measured < b.sol
     return _report(args, hw, cost, b, extra)
+
+
+def _measure_model(args: argparse.Namespace) -> int:
+    from spirit.model.loader import load
+    from spirit.skipset import SkipSet
+    from spirit.sol import decode_cost
+    from spirit.sol.measure import measure_decode_step, percent_of_sol
+
+    hw = _hardware(args.hardware)
+    loaded = load(args.model, args.dtype)
+    skip = SkipSet.parse(args.skip) if args.skip else None
+    sol = decode_cost(loaded.hf_model.config, loaded.dtype, args.context, skip).seconds(hw)
+    measured = measure_decode_step(loaded.hf_model, args.context, skip, steps=args.repeats)
+    out = {"model": loaded.name, "hardware": hw.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+           "context": args.context, "skip": str(skip) if skip else None, "sol_s": sol, "measured_s": measured,
+           "percent_of_sol": percent_of_sol(measured, sol), "below_bound": measured < sol}
+    if args.baseline_ms is not None and args.baseline_ms / 1e3 > sol:
+        from spirit.sol.measure import sol_score
+
+        out["sol_score"] = sol_score(measured, args.baseline_ms / 1e3, sol)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    what = f"draft {skip}" if skip else "plain decode"
+    print(f"{loaded.name} {what} on {hw.name}, {out['dtype']}, context {args.context}: measured {_ms(measured)}/token, "
+          f"SOL {_ms(sol)} -> {out['percent_of_sol']:.1f}% of SOL" + (f", SOL score {out['sol_score']:.3f}" if "sol_score" in out else ""))
+    return 0

@@ -126,6 +126,10 @@ def _name(target) -> str:
 
 
 MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "_addmm_activation", "addbmm"}
+# the operand whose last dimension is the contraction length K
+_LEFT_OPERAND = {"mm": "self", "addmm": "mat1", "bmm": "self", "baddbmm": "batch1", "addbmm": "batch1",
+                 "matmul": "self", "linear": "input", "mv": "self", "addmv": "mat", "dot": "self", "vdot": "self",
+                 "_addmm_activation": "mat1"}
 CONV = {"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -154,6 +158,11 @@ MOVEMENT = {"clone", "_to_copy", "copy", "cat", "stack", "repeat", "flip", "roll
 FREE_PY = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled", "sym_size", "sym_stride", "sym_numel",
            "sym_storage_offset", "_assert_tensor_metadata", "_assert_scalar", "_local_scalar_dense",
            "sym_constrain_range_for_size", "_assert_async", "scalar_tensor_", "getattr"}
+
+
+def _is_python_operator(target, name: str) -> bool:
+    """`operator.and_`, `Tensor.__iand__` and the like, which some graphs keep: pointwise."""
+    return getattr(target, "__module__", None) == "_operator" or (name.startswith("__") and name.endswith("__"))
 
 
 def _bind(node: fx.Node) -> dict:
@@ -348,7 +357,7 @@ class _Walker:
                 kind, vec = "norm", 6 * first.numel()
             elif name in REDUCTION:
                 kind, vec = "reduction", first.numel() if first is not None else 0
-            elif torch.Tag.pointwise in getattr(target, "tags", ()):
+            elif torch.Tag.pointwise in getattr(target, "tags", ()) or _is_python_operator(target, name):
                 kind, vec = "pointwise", (val.numel() if _is_tensor(val) else 0)
             elif name in CREATION:
                 kind, vec = "creation", 0
@@ -382,11 +391,7 @@ class _Walker:
             mat = 2.0 * (x.numel() if transposed else val.numel()) * per_out
             has_bias = b.get("bias") is not None
         else:
-            operands = {"mm": ("self", "mat2"), "addmm": ("mat1", "mat2"), "bmm": ("self", "mat2"),
-                        "baddbmm": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"), "matmul": ("self", "other"),
-                        "linear": ("input", "weight"), "mv": ("self", "vec"), "addmv": ("mat", "vec"),
-                        "dot": ("self", "tensor"), "vdot": ("self", "other"), "_addmm_activation": ("mat1", "mat2")}[name]
-            a = self.val(b[operands[0]])
+            a = self.val(b[_LEFT_OPERAND[name]])
             k = a.shape[-1] if a.dim() else 1
             out_elems = val.numel()
             if name == "addbmm":
@@ -394,13 +399,12 @@ class _Walker:
             mat = 2.0 * out_elems * k
             has_bias = name in ("addmm", "baddbmm", "addbmm", "addmv", "_addmm_activation") or (
                 name == "linear" and b.get("bias") is not None)
-        dtype = self.val(node.all_input_nodes[0]).dtype if name not in CONV else x.dtype
-        if name == "linear" or name in CONV:
-            dtype = self.val(b.get("input")).dtype
+        # the dtype of the activations decides the peak (weights may be stored narrower)
+        dtype = self.val(b.get("input")).dtype if name == "linear" or name in CONV else a.dtype
         cost = OpCost(node.name, name, "matmul", dtype, matrix_flops=mat,
                       vector_flops=float(val.numel()) if has_bias else 0.0)
-        for a in self.tensor_args(node):
-            self.read(cost, a)
+        for arg in self.tensor_args(node):
+            self.read(cost, arg)
         return cost
 
     def attention(self, node: fx.Node, name: str, val) -> OpCost:

@@ -8,6 +8,8 @@ Per token (memory side, the gpt-fast accounting: model bytes x tokens/s):
 Compute: 2 FLOPs per weight per token for every linear layer and the lm_head, plus
 attention 4 x heads x head_dim x visible positions per kept attention layer.
 SOL = max(compute / matmul peak, bytes / memory bandwidth).
+A sliding-window layer reads only its window here (an ideal kernel); spirit's adapter reads the
+whole cached slice under a mask, so its traced step costs more on those layers.
 
 Parameter counts come from the model built on the meta device from its config, so any
 architecture spirit drives (Llama, Qwen2/3, Mistral, Gemma) is counted from its own modules.
@@ -16,7 +18,6 @@ architecture spirit drives (Llama, Qwen2/3, Mistral, Gemma) is counted from its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -73,18 +74,19 @@ def _params(module: nn.Module | None) -> tuple[int, int]:
     return linear, sum(p.numel() for p in module.parameters()) - linear
 
 
+_PARAMS_CACHE: dict[str, SublayerParams] = {}  # config JSON -> counts (building a meta model takes ~0.1-1 s)
+
+
 def sublayer_params(config) -> SublayerParams:
-    return _sublayer_params_cached(config.to_json_string(use_diff=False))
+    key = config.to_json_string(use_diff=False)
+    if key not in _PARAMS_CACHE:
+        _PARAMS_CACHE[key] = _count_params(config)
+    return _PARAMS_CACHE[key]
 
 
-@lru_cache(maxsize=16)
-def _sublayer_params_cached(config_json: str) -> SublayerParams:
-    import json
+def _count_params(config) -> SublayerParams:
+    from transformers import AutoModelForCausalLM
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    data = json.loads(config_json)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     from spirit.model.adapter import Layout, SkippableModel

@@ -80,3 +80,19 @@ def load_problem(spec: str) -> KernelProblem:
     if not hasattr(module, "get_inputs"):
         raise ValueError(f"{path} defines no get_inputs()")
     return KernelProblem(path, cls, module.get_inputs, getattr(module, "get_init_inputs", None))
+
+
+def measure_decode_step(causal_lm: nn.Module, context: int, skip=None, steps: int = 8, budget_s: float = 20.0) -> float:
+    """Median seconds of one decode step (1 token after `context` cached positions) through
+    spirit's adapter, with the sublayers of `skip` left out. The cache holds random keys:
+    the time of a step does not depend on their values."""
+    from spirit.model.adapter import SkippableModel
+    from spirit.skipset import SkipSet
+
+    sm = SkippableModel(causal_lm)
+    cache = sm.new_cache(context + 1)
+    for t in (*cache.keys, *cache.values):
+        t.normal_()
+    ids = torch.zeros(1, 1, dtype=torch.long, device=sm.device)
+    skip = skip or SkipSet()
+    return time_call(lambda: sm.forward(ids, context, cache, skip), repeats=steps, warmup=1, budget_s=budget_s)

@@ -1,0 +1,275 @@
+"""SPIRIT: choose the draft configuration by measured, length-normalized throughput.
+
+Per recognized task (a profile), the policy searches in two stages and then exploits:
+
+1. *Ratio.* The fraction of sublayers skipped is the first-order knob. It measures a coarse
+   grid of ratios (0 included: plain decoding, so it never settles on something slower than
+   vanilla), one window each, then refines around the best by half a grid step.
+2. *Pattern.* At the chosen ratio it tries a few swaps of which sublayers are skipped (one
+   skipped sublayer out, a highly ranked kept one in), keeping a swap only if it is faster by
+   a noise margin. The ranking of sublayers ("skip these first") is shared by all tasks and
+   learns from every accepted swap.
+3. *Exploit.* It runs the incumbent, refreshes the plain-decoding speed model now and then,
+   and re-searches (around the incumbent) if normalized speed leaves its recent range.
+
+Speeds are compared after normalizing by plain decoding's speed at the same context length
+(`speed_model.py`). Tasks are recognized from the prompt (`features.py`), so a stream that
+returns to a known task restores its profile at once, and a new task starts a new search.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
+from spirit.policies.features import ProfileIndex, prompt_vector
+from spirit.policies.speed_model import SpeedModel, window_context
+from spirit.skipset import DraftConfig, SkipSet, sublayer_ids
+from spirit.stats import WindowStats
+
+RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)  # plain decoding first: it also calibrates the speed model
+REFINE_STEP = 0.05
+MAX_RATIO = 0.6
+PATTERN_TRIALS = 4  # swaps tried per search
+MARGIN = 0.03  # a challenger must be 3% faster (normalized) than the incumbent: window noise
+SHIFT_DROP = 0.8  # exploit windows below 80% of the expected speed are suspicious ...
+SHIFT_PATIENCE = 2  # ... and this many in a row trigger a re-search
+PLAIN_REFRESH = 24  # exploit windows between plain-decoding windows that recalibrate
+MIN_TOKENS = 8  # shorter windows (end of a request) are too noisy to judge
+SEARCH_WINDOW = 24  # tokens per window while searching
+EXPLOIT_WINDOW = 48  # tokens per window while exploiting
+
+
+def prior_order(num_layers: int) -> list[tuple[str, int]]:
+    """Initial "skip these first" ranking: attention before MLP, from the upper-middle of the
+    stack outwards (layer-skipping studies find deep-middle layers the most redundant and
+    the first and last layers essential; those two are never skipped)."""
+    center = 0.6 * (num_layers - 1)
+    return sorted(sublayer_ids(num_layers), key=lambda s: (abs(s[1] - center) + (0.5 if s[0] == "mlp" else 0.0), s))
+
+
+@dataclass
+class TaskProfile:
+    pending: list[float] = field(default_factory=lambda: list(RATIO_GRID))  # ratios left to measure
+    ratio_scores: dict[str, list[float]] = field(default_factory=dict)  # "0.20" -> normalized speeds
+    stage: str = "ratio"  # ratio -> pattern -> exploit
+    refined: bool = False
+    ratio: float = 0.0
+    skip: list[list] | None = None  # the incumbent pattern, as [kind, layer] pairs
+    score: float = 0.0  # the incumbent's expected normalized speed
+    trials_left: int = PATTERN_TRIALS
+    suspicious: int = 0
+    searches: int = 1
+    requests: int = 0
+    inherited: list[list] | None = None  # the neighbour's pattern this profile started from
+
+
+def _key(ratio: float) -> str:
+    return f"{ratio:.2f}"
+
+
+class SpiritPolicy(Policy):
+    name = "spirit"
+    window_tokens = SEARCH_WINDOW
+
+    def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0) -> None:
+        super().__init__(model, base)
+        self.rng = random.Random(seed)
+        self.speed = SpeedModel()
+        self.index = ProfileIndex()
+        self.profiles: list[TaskProfile] = []
+        self.order: list[tuple[str, int]] = prior_order(model.num_layers)
+        self.current = 0
+        self.trial: tuple[str, object] = ("plain", None)
+        self.windows_since_plain = 0
+        self.context = 0.0  # context length at the last feedback
+        self.history: list[dict] = []  # (profile, trial kind, ratio, score) per window, for reports
+
+    # -- configurations ----------------------------------------------------------------------
+
+    @property
+    def profile(self) -> TaskProfile:
+        return self.profiles[self.current]
+
+    def pattern_for(self, ratio: float) -> list[tuple[str, int]]:
+        count = round(ratio * 2 * self.model.num_layers)
+        return list(self.order[:count])
+
+    def _skipset(self, sublayers) -> SkipSet | None:
+        if not sublayers:
+            return None
+        return SkipSet(
+            frozenset(i for k, i in sublayers if k == "attn"), frozenset(i for k, i in sublayers if k == "mlp")
+        )
+
+    def _plan(self) -> DraftConfig:
+        """Decide what the next window runs, and remember why (self.trial)."""
+        p = self.profile
+        self.window_tokens = SEARCH_WINDOW
+        if not self.speed.calibrated:
+            self.trial = ("plain", None)
+            return self.config(None)
+        if p.stage == "ratio":
+            if not p.pending:
+                self._finish_ratio_stage(p)
+                return self._plan()
+            ratio = p.pending[0]
+            self.trial = ("ratio", ratio)
+            return self.config(self._skipset(self.pattern_for(ratio)))
+        if p.stage == "pattern":
+            if p.trials_left <= 0 or not p.skip:
+                p.stage = "exploit"
+                return self._plan()
+            candidate = self._swap([tuple(s) for s in p.skip])
+            if candidate is None:
+                p.stage = "exploit"
+                return self._plan()
+            self.trial = ("pattern", candidate)
+            return self.config(self._skipset(candidate))
+        # exploit
+        self.window_tokens = EXPLOIT_WINDOW
+        stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
+        if p.skip and stale:
+            self.trial = ("plain", None)
+            return self.config(None)
+        self.trial = ("exploit", None)
+        return self.config(self._skipset([tuple(s) for s in p.skip] if p.skip else None))
+
+    def _finish_ratio_stage(self, p: TaskProfile) -> None:
+        means = {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
+        best = max(means, key=lambda r: (means[r], -r)) if means else 0.0
+        if not p.refined and best > 0:
+            p.refined = True
+            p.pending = [
+                r for r in (round(best - REFINE_STEP, 4), round(best + REFINE_STEP, 4))
+                if 0 < r <= MAX_RATIO and _key(r) not in p.ratio_scores
+            ]
+            if p.pending:
+                return
+        p.ratio, p.score = best, means.get(best, 1.0)
+        p.skip = [list(s) for s in self.pattern_for(best)]
+        p.stage = "pattern" if p.skip else "exploit"
+        # a profile that kept its neighbour's ratio keeps its refined pattern: one check only
+        same = p.inherited is not None and len(p.inherited) == len(p.skip)
+        if same:
+            p.skip = p.inherited
+        p.trials_left = 1 if same else PATTERN_TRIALS
+
+    def _swap(self, incumbent: list[tuple[str, int]]) -> list[tuple[str, int]] | None:
+        """Take one skipped sublayer out, put one of the best-ranked kept ones in."""
+        kept = [s for s in self.order if s not in incumbent]
+        if not kept or not incumbent:
+            return None
+        out = self.rng.choice(incumbent)
+        into = self.rng.choice(kept[:3])
+        return [into if s == out else s for s in incumbent]
+
+    # -- feedback ------------------------------------------------------------------------------
+
+    def start_request(self, request: RequestInfo) -> DraftConfig:
+        index, new, nearest = self.index.assign(prompt_vector(request.prompt_tokens))
+        if new:
+            self.profiles.append(self._new_profile(nearest))
+        self.current = index
+        self.profile.requests += 1
+        return self._plan()
+
+    def _new_profile(self, nearest: int | None) -> TaskProfile:
+        """A new task starts from its nearest known task's configuration and searches
+        locally around it (tasks often agree, and prompt features are only a hint); the
+        very first task searches the whole grid."""
+        profile = TaskProfile()
+        if nearest is None or not self.speed.calibrated:
+            return profile
+        base = self.profiles[nearest]
+        if base.stage == "ratio" and not base.ratio_scores:
+            return profile
+        r = base.ratio
+        profile.ratio_scores = {_key(0.0): [1.0]}  # plain decoding: 1.0 by definition once calibrated
+        around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
+        profile.pending = [x for x in dict.fromkeys(around) if 0 < x <= MAX_RATIO]
+        profile.inherited = [list(s) for s in base.skip] if base.skip else None
+        return profile
+
+    def on_window(self, stats: WindowStats) -> DraftConfig:
+        self._learn(stats)
+        return self._plan()
+
+    def end_request(self, stats: WindowStats) -> None:
+        self._learn(stats)
+
+    def _learn(self, stats: WindowStats) -> None:
+        if stats.counters.new_tokens < MIN_TOKENS:
+            return
+        kind, arg = self.trial
+        self.context = stats.context_length
+        if not stats.config.speculative:
+            self.speed.observe_plain(stats)
+            self.windows_since_plain = 0
+        else:
+            self.windows_since_plain += 1
+        score = self.speed.normalized(stats)
+        if score is None:
+            return
+        p = self.profile
+        self.history.append({"profile": self.current, "trial": kind, "ratio": round(stats.config.skip.ratio(self.model.num_layers), 3) if stats.config.skip else 0.0, "score": round(score, 4)})
+        if kind == "ratio":
+            p.ratio_scores.setdefault(_key(arg), []).append(score)
+            if p.pending and p.pending[0] == arg:
+                p.pending.pop(0)
+        elif kind == "pattern":
+            p.trials_left -= 1
+            if score > p.score * (1 + MARGIN):
+                self._learn_order([tuple(s) for s in p.skip], arg)
+                p.skip, p.score = [list(s) for s in arg], score
+        elif kind == "exploit" and self.speed.covers(window_context(stats)):
+            self._watch(p, score)
+
+    def _learn_order(self, old: list[tuple[str, int]], new: list[tuple[str, int]]) -> None:
+        """A winning swap: the sublayer brought in moves ahead of the one taken out."""
+        (gone,) = [s for s in old if s not in new] or [None]
+        (came,) = [s for s in new if s not in old] or [None]
+        if gone is None or came is None:
+            return
+        i, j = self.order.index(gone), self.order.index(came)
+        if j > i:
+            self.order[i], self.order[j] = came, gone
+
+    def _watch(self, p: TaskProfile, score: float) -> None:
+        """Track the incumbent's speed; re-search around it when speed leaves its range."""
+        if score < SHIFT_DROP * p.score:
+            p.suspicious += 1
+        else:
+            p.suspicious = 0
+            p.score = 0.8 * p.score + 0.2 * score
+        if p.suspicious >= SHIFT_PATIENCE:
+            p.suspicious = 0
+            p.searches += 1
+            p.stage, p.refined = "ratio", False
+            around = {0.0, p.ratio, round(max(0.0, p.ratio - 0.1), 4), round(min(MAX_RATIO, p.ratio + 0.1), 4)}
+            p.pending = sorted(around)
+            p.ratio_scores = {}
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "speed": self.speed.state_dict(),
+            "index": self.index.state_dict(),
+            "profiles": [asdict(p) for p in self.profiles],
+            "order": [list(s) for s in self.order],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.speed.load_state_dict(state.get("speed", {}))
+        self.index.load_state_dict(state.get("index", {}))
+        self.profiles = [TaskProfile(**p) for p in state.get("profiles", [])]
+        self.order = [tuple(s) for s in state.get("order", [])] or self.order
+
+    def describe(self) -> str:
+        parts = [f"task {i}: {p.stage} ratio={p.ratio:.2f} score={p.score:.2f}" for i, p in enumerate(self.profiles)]
+        return "spirit: " + "; ".join(parts)
+
+
+REGISTRY.register(SpiritPolicy)

@@ -1,0 +1,76 @@
+"""A simulated decoding machine with a fake clock, for testing policies without a model.
+
+A landscape says how fast plain decoding is at a context length and what speedup (and
+acceptance) a draft configuration gets; the simulator feeds a policy the WindowStats the
+engine would produce, with wall times computed from those speeds instead of measured.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from spirit.policies.base import Policy, RequestInfo
+from spirit.skipset import DraftConfig, SkipSet
+from spirit.stats import Counters, WindowStats
+
+
+@dataclass
+class Landscape:
+    speedup: Callable[[SkipSet | None], float]  # relative to plain decoding at the same context
+    plain_tps: Callable[[float], float] = lambda ctx: 20.0  # plain tokens/s at a context length
+    acceptance: Callable[[SkipSet | None], float] = lambda skip: 0.8
+    matchness: Callable[[SkipSet], float] = lambda skip: 0.5
+
+
+@dataclass
+class Log:
+    windows: list[tuple[int, DraftConfig, float]] = field(default_factory=list)  # (request, config, tok/s)
+
+    def configs_of(self, request: int) -> list[DraftConfig]:
+        return [c for r, c, _ in self.windows if r == request]
+
+
+def run(policy: Policy, landscape: Landscape, prompts: list[tuple[int, ...]], tokens: int = 128,
+        start_context: int = 100, noise: float = 0.0, seed: int = 0, log: Log | None = None) -> Log:
+    rng = random.Random(seed)
+    log = log or Log()
+    first_id = len({r for r, _, _ in log.windows})
+    for n, prompt in enumerate(prompts):
+        rid = first_id + n
+        config = policy.start_request(RequestInfo(rid, prompt, tokens))
+        context, remaining = start_context + len(prompt), tokens
+        while remaining > 0:
+            w = min(max(1, policy.window_tokens), remaining)
+            speed = landscape.plain_tps(context) * landscape.speedup(config.skip) * (1 + noise * rng.gauss(0, 1))
+            drafted = w if config.speculative else 0
+            counters = Counters(new_tokens=w, drafted=drafted, accepted=int(drafted * landscape.acceptance(config.skip)),
+                                draft_rounds=max(1, w // 4) if config.speculative else 0)
+            context += w
+            remaining -= w
+            stats = WindowStats(rid, config, counters, w / max(speed, 1e-6), context,
+                                probe_agreement=landscape.matchness(config.probe) if config.probe else None,
+                                final=remaining == 0)
+            log.windows.append((rid, config, speed))
+            if remaining == 0:
+                policy.end_request(stats)
+            else:
+                config = policy.on_window(stats)
+    return log
+
+
+def prompts_of(task: int, count: int, length: int = 40) -> list[tuple[int, ...]]:
+    """Prompts of one task: a shared instruction template, then request-specific tokens."""
+    rng = random.Random(task * 1000 + count)
+    base = 1000 * (task + 1)
+    template = tuple(base + i for i in range(length * 3 // 4))
+    return [template + tuple(base + 100 + rng.randrange(500) for _ in range(length // 4)) for _ in range(count)]
+
+
+def ratio_peak(peak: float, height: float = 1.6, num_layers: int = 24) -> Callable[[SkipSet | None], float]:
+    """Speedup single-peaked in the skip ratio: 1 at ratio 0, `height` at `peak`."""
+    def speedup(skip: SkipSet | None) -> float:
+        r = skip.ratio(num_layers) if skip else 0.0
+        return max(0.05, 1 + (height - 1) * (1 - ((r - peak) / peak) ** 2)) if r > 0 else 1.0
+    return speedup
