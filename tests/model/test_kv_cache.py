@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
-from spirit.policies.base import ModelInfo, Policy, RequestInfo
+from spirit.policies.base import ModelInfo, Policy
 from spirit.skipset import DraftConfig, SkipSet, random_skipset
 from spirit.testing import tiny_model
 
@@ -32,10 +32,7 @@ class RandomPolicy(Policy):
             return self.config(None)
         return self.config(random_skipset(LAYERS, self.rng.uniform(0, 1), self.rng), probe=None)
 
-    def start_request(self, request: RequestInfo):
-        return self._next()
-
-    def on_window(self, stats):
+    def plan(self):
         return self._next()
 
 

@@ -44,14 +44,22 @@ class Policy(ABC):
         return DraftConfig(skip=skip, max_draft=self.base.max_draft, threshold=self.base.threshold, probe=probe)
 
     @abstractmethod
-    def start_request(self, request: RequestInfo) -> DraftConfig: ...
+    def plan(self) -> DraftConfig:
+        """The configuration for the next window."""
 
-    @abstractmethod
-    def on_window(self, stats: WindowStats) -> DraftConfig: ...
+    def learn(self, stats: WindowStats) -> None:
+        """Take in the figures of a finished window (default: nothing to learn)."""
+
+    def start_request(self, request: RequestInfo) -> DraftConfig:
+        return self.plan()
+
+    def on_window(self, stats: WindowStats) -> DraftConfig:
+        self.learn(stats)
+        return self.plan()
 
     def end_request(self, stats: WindowStats) -> None:
-        """The last (possibly partial) window of a request; default: learn from it as usual."""
-        self.on_window(stats)
+        """The last (possibly partial) window of a request."""
+        self.learn(stats)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -69,10 +77,7 @@ class VanillaPolicy(Policy):
     name = "vanilla"
     window_tokens = 64
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
-        return VANILLA
-
-    def on_window(self, stats: WindowStats) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         return VANILLA
 
 
@@ -88,10 +93,7 @@ class StaticPolicy(Policy):
             raise ValueError("method 'static' needs a skip set, e.g. --skip 'attn:4,9;mlp:4,9,12'")
         self.skip = skip.validate(model.num_layers)
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
-        return self.config(self.skip)
-
-    def on_window(self, stats: WindowStats) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         return self.config(self.skip)
 
 

@@ -13,9 +13,8 @@ import random
 from collections.abc import Callable
 
 from spirit.policies import gp
-from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
+from spirit.policies.base import REGISTRY, ModelInfo, Policy
 from spirit.skipset import DraftConfig, SkipSet
-from spirit.stats import WindowStats
 
 CALIBRATION_TRIALS = 12  # measured configurations, after the initial random designs
 INITIAL_DESIGNS = 4
@@ -62,10 +61,7 @@ class DraftVerifyPolicy(Policy):
         self.skip = SkipSet.from_vector(best_vec) if best_vec is not None else None
         self.calibrated = True
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
-        return self.config(self.skip)
-
-    def on_window(self, stats: WindowStats) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         return self.config(self.skip)
 
     def state_dict(self) -> dict:

@@ -103,9 +103,9 @@ class Sp2ecPolicy(Policy):
             lo, hi = max(self.min_keep, hi - 2 * BRACKET), min(L, lo + 2 * BRACKET)
         self.search = GoldenSection(lo, hi)
         self.probes_per_query.append(0)
-        return self._plan()
+        return self.plan()
 
-    def _plan(self) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         if not self.speed.calibrated:
             self.probe_n = self.model.num_layers
         else:
@@ -113,14 +113,7 @@ class Sp2ecPolicy(Policy):
             self.probe_n = n if n is not None else self.best_keep
         return self.config(self.skip_for(self.probe_n))
 
-    def on_window(self, stats: WindowStats) -> DraftConfig:
-        self._learn(stats)
-        return self._plan()
-
-    def end_request(self, stats: WindowStats) -> None:
-        self._learn(stats)
-
-    def _learn(self, stats: WindowStats) -> None:
+    def learn(self, stats: WindowStats) -> None:
         if stats.counters.new_tokens < MIN_TOKENS:
             return
         if not stats.config.speculative:

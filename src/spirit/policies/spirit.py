@@ -103,7 +103,7 @@ class SpiritPolicy(Policy):
             frozenset(i for k, i in sublayers if k == "attn"), frozenset(i for k, i in sublayers if k == "mlp")
         )
 
-    def _plan(self) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         """Decide what the next window runs, and remember why (self.trial)."""
         p = self.profile
         self.window_tokens = SEARCH_WINDOW
@@ -113,18 +113,18 @@ class SpiritPolicy(Policy):
         if p.stage == "ratio":
             if not p.pending:
                 self._finish_ratio_stage(p)
-                return self._plan()
+                return self.plan()
             ratio = p.pending[0]
             self.trial = ("ratio", ratio)
             return self.config(self._skipset(self.pattern_for(ratio)))
         if p.stage == "pattern":
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
-                return self._plan()
+                return self.plan()
             candidate = self._swap([tuple(s) for s in p.skip])
             if candidate is None:
                 p.stage = "exploit"
-                return self._plan()
+                return self.plan()
             self.trial = ("pattern", candidate)
             return self.config(self._skipset(candidate))
         # exploit
@@ -173,7 +173,7 @@ class SpiritPolicy(Policy):
             self.profiles.append(self._new_profile(nearest))
         self.current = index
         self.profile.requests += 1
-        return self._plan()
+        return self.plan()
 
     def _new_profile(self, nearest: int | None) -> TaskProfile:
         """A new task starts from its nearest known task's configuration and searches
@@ -192,14 +192,7 @@ class SpiritPolicy(Policy):
         profile.inherited = [list(s) for s in base.skip] if base.skip else None
         return profile
 
-    def on_window(self, stats: WindowStats) -> DraftConfig:
-        self._learn(stats)
-        return self._plan()
-
-    def end_request(self, stats: WindowStats) -> None:
-        self._learn(stats)
-
-    def _learn(self, stats: WindowStats) -> None:
+    def learn(self, stats: WindowStats) -> None:
         if stats.counters.new_tokens < MIN_TOKENS:
             return
         kind, arg = self.trial

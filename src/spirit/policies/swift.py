@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 
 from spirit.policies import gp
-from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
+from spirit.policies.base import REGISTRY, ModelInfo, Policy
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import WindowStats
 
@@ -67,24 +67,14 @@ class SwiftPolicy(Policy):
             return gp.suggest(self.observed[-200:], pool)
         return gp.random_vectors(self.eligible, L, self.count, 1, self.rng)[0]
 
-    def _config(self) -> DraftConfig:
+    def plan(self) -> DraftConfig:
         probe = None
         if self.optimizing:
             self.candidate = self.best if self.best_score < 0 else self._propose()
             probe = SkipSet.from_vector(self.candidate)
         return self.config(SkipSet.from_vector(self.best), probe=probe)
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
-        return self._config()
-
-    def on_window(self, stats: WindowStats) -> DraftConfig:
-        self._learn(stats)
-        return self._config()
-
-    def end_request(self, stats: WindowStats) -> None:
-        self._learn(stats)
-
-    def _learn(self, stats: WindowStats) -> None:
+    def learn(self, stats: WindowStats) -> None:
         if not self.optimizing or stats.probe_agreement is None or self.candidate is None:
             return
         score = stats.probe_agreement
