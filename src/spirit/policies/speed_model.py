@@ -47,7 +47,7 @@ class SpeedModel:
         mean_x, mean_y = sum(xs) / n, sum(ys) / n
         var_x = sum((x - mean_x) ** 2 for x in xs)
         # too little spread in context to see a slope: treat as flat
-        if n < 3 or var_x < (0.1 * mean_x) ** 2 * n:
+        if n < 2 or var_x < (0.1 * mean_x) ** 2 * n:
             return mean_y, 0.0
         b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x)
         return mean_y - b * mean_x, b

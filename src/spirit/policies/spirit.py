@@ -139,6 +139,11 @@ class SpiritPolicy(Policy):
     def _finish_ratio_stage(self, p: TaskProfile) -> None:
         means = {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
         best = max(means, key=lambda r: (means[r], -r)) if means else 0.0
+        tried = [r for r in means if r > 0]
+        if best == 0 and tried and min(tried) > RATIO_GRID[1] + 1e-9:
+            # a local search found nothing faster than plain decoding above: look lower
+            p.pending = [round(max(RATIO_GRID[1], min(tried) - 2 * REFINE_STEP), 4)]
+            return
         if not p.refined and best > 0:
             p.refined = True
             p.pending = [
@@ -207,10 +212,13 @@ class SpiritPolicy(Policy):
             return
         p = self.profile
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(stats.config.skip.ratio(self.model.num_layers), 3) if stats.config.skip else 0.0, "score": round(score, 4)})
+        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending:
+            kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
         if kind == "ratio":
             p.ratio_scores.setdefault(_key(arg), []).append(score)
-            if p.pending and p.pending[0] == arg:
-                p.pending.pop(0)
+            if arg in p.pending:
+                p.pending.remove(arg)
+            self._prune_grid(p, arg, score)
         elif kind == "pattern":
             p.trials_left -= 1
             if score > p.score * (1 + MARGIN):
@@ -218,6 +226,13 @@ class SpiritPolicy(Policy):
                 p.skip, p.score = [list(s) for s in arg], score
         elif kind == "exploit" and self.speed.covers(window_context(stats)):
             self._watch(p, score)
+
+    def _prune_grid(self, p: TaskProfile, ratio: float, score: float) -> None:
+        """Speed is single-peaked in the ratio: once a ratio is clearly slower than the best
+        smaller one, larger ratios only cost windows, so they are dropped."""
+        smaller = [sum(v) / len(v) for k, v in p.ratio_scores.items() if float(k) < ratio and v]
+        if smaller and score < max(smaller) * (1 - 2 * MARGIN):
+            p.pending = [r for r in p.pending if r < ratio]
 
     def _learn_order(self, old: list[tuple[str, int]], new: list[tuple[str, int]]) -> None:
         """A winning swap: the sublayer brought in moves ahead of the one taken out."""
