@@ -135,10 +135,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{lm.name} {args.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f}s = {s.tokens_per_s:.1f} tok/s; "
             f"acceptance {s.counters.acceptance_rate:.2f}, mean accepted {s.counters.mean_accepted:.2f}, "
-            f"draft {s.counters.draft_time_s:.2f}s / verify {s.counters.verify_time_s:.2f}s",
+            f"draft {s.counters.draft_time_s:.2f}s / verify {s.counters.verify_time_s:.2f}s{_sol_note(lm, s)}",
             file=sys.stderr,
         )
     return 0
+
+
+def _sol_note(lm, stats) -> str:
+    """'; X% of the speed-of-light bound' for the measured decode speed, when this CPU has
+    been calibrated (`spirit sol calibrate`); never triggers a calibration itself."""
+    try:
+        from spirit.sol import decode_cost, load_hardware
+
+        hardware = load_hardware("this-cpu")
+        context = stats.prompt_tokens + stats.new_tokens // 2
+        bound = decode_cost(lm.hf_model.config, lm.dtype, context).seconds(hardware)
+    except Exception:  # no calibration yet, or an unusual config: the figure is optional
+        return ""
+    if stats.decode_tokens_per_s <= 0:
+        return ""
+    return f"; {100 * bound * stats.decode_tokens_per_s:.0f}% of the speed-of-light bound (plain decoding, this CPU)"
 
 
 def _save_profile(lm, args: argparse.Namespace, kwargs: dict) -> None:

@@ -32,3 +32,14 @@ def test_stream_pieces_join_to_the_text(lm):
     stream = lm.stream(PROMPTS[0], chat=True, max_new_tokens=20, method="vanilla")
     pieces = list(stream)
     assert "".join(pieces) == stream.result.text and len(pieces) > 1
+
+
+@pytest.mark.parametrize("method", ["spirit", "sp2ec", "swift", "dv"])
+def test_every_policy_is_lossless_on_the_real_model(lm, method):
+    """Two requests each, so adaptive policies change configuration between and within them."""
+    options = {"trials": 2} if method == "dv" else {}
+    policy = lm.policy(method, **options)
+    for prompt in ("Write a haiku about rain", "List three uses of a paperclip."):
+        vanilla = lm.generate(prompt, chat=True, max_new_tokens=40, method="vanilla")
+        adaptive = lm.generate(prompt, chat=True, max_new_tokens=40, method=method, policy=policy)
+        assert adaptive.token_ids == vanilla.token_ids

@@ -69,3 +69,17 @@ def test_state_round_trips_through_json():
     restored = SpiritPolicy(ModelInfo(L))
     restored.load_state_dict(json.loads(json.dumps(policy.state_dict())))
     assert restored.profiles == policy.profiles and restored.order == policy.order
+
+
+def test_settled_on_plain_decoding_it_reprobes_rarely_and_finds_a_change():
+    from spirit.policies.spirit import REPROBE_EVERY
+
+    policy = SpiritPolicy(ModelInfo(L))
+    never = Landscape(lambda skip: 1.0 - (skip.ratio(L) if skip else 0.0))
+    log = run(policy, never, prompts_of(0, 30), tokens=240, noise=0.01)
+    speculative_windows = sum(1 for _, c, _ in log.windows if c.speculative)
+    exploit_windows = sum(1 for h in policy.history if h["trial"] == "exploit")
+    assert speculative_windows <= 2 + exploit_windows // REPROBE_EVERY
+    # speculation starts to pay (say, longer contexts): a later re-probe finds it
+    log = run(policy, Landscape(ratio_peak(0.3)), prompts_of(0, 30), tokens=240, noise=0.01, log=log)
+    assert log.windows[-1][1].speculative

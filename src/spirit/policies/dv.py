@@ -33,15 +33,18 @@ class DraftVerifyPolicy(Policy):
     name = "dv"
     window_tokens = 64
 
-    def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0) -> None:
+    def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0,
+                 trials: int = CALIBRATION_TRIALS) -> None:
         super().__init__(model, base)
         self.rng = random.Random(seed)
+        self.calibration_trials = trials
         self.skip: SkipSet | None = None
         self.calibrated = False
         self.trials: list[tuple[list[int], float]] = []
 
-    def calibrate(self, measure: Callable[[SkipSet | None], float], trials: int = CALIBRATION_TRIALS) -> None:
+    def calibrate(self, measure: Callable[[SkipSet | None], float], trials: int | None = None) -> None:
         """Bayesian optimization of measure(skip) -> tokens/s; plain decoding is a candidate."""
+        trials = self.calibration_trials if trials is None else trials
         L = self.model.num_layers
         eligible = list(range(1, L - 1)) + [L + i for i in range(1, L - 1)]
         baseline = measure(None)

@@ -36,6 +36,7 @@ MARGIN = 0.03  # a challenger must be 3% faster (normalized) than the incumbent:
 SHIFT_DROP = 0.8  # exploit windows below 80% of the expected speed are suspicious ...
 SHIFT_PATIENCE = 2  # ... and this many in a row trigger a re-search
 PLAIN_REFRESH = 24  # exploit windows between plain-decoding windows that recalibrate
+REPROBE_EVERY = 48  # plain-decoding exploit windows before the smallest ratio is tried again
 MIN_TOKENS = 8  # shorter windows (end of a request) are too noisy to judge
 SEARCH_WINDOW = 24  # tokens per window while searching
 EXPLOIT_WINDOW = 48  # tokens per window while exploiting
@@ -63,6 +64,7 @@ class TaskProfile:
     searches: int = 1
     requests: int = 0
     inherited: list[list] | None = None  # the neighbour's pattern this profile started from
+    exploited: int = 0  # exploit windows since the last search
 
 
 def _key(ratio: float) -> str:
@@ -129,6 +131,12 @@ class SpiritPolicy(Policy):
             return self.config(self._skipset(candidate))
         # exploit
         self.window_tokens = EXPLOIT_WINDOW
+        if not p.skip and p.exploited >= REPROBE_EVERY:
+            # settled on plain decoding: now and then check whether speculation pays now
+            # (longer contexts, another machine state); one window of regret per REPROBE_EVERY
+            p.exploited, p.stage, p.refined = 0, "ratio", False
+            p.ratio_scores, p.pending = {_key(0.0): [1.0]}, [RATIO_GRID[1]]
+            return self.plan()
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
         if p.skip and stale:
             self.trial = ("plain", None)
@@ -224,8 +232,10 @@ class SpiritPolicy(Policy):
             if score > p.score * (1 + MARGIN):
                 self._learn_order([tuple(s) for s in p.skip], arg)
                 p.skip, p.score = [list(s) for s in arg], score
-        elif kind == "exploit" and self.speed.covers(window_context(stats)):
-            self._watch(p, score)
+        elif kind == "exploit":
+            p.exploited += 1
+            if self.speed.covers(window_context(stats)):
+                self._watch(p, score)
 
     def _prune_grid(self, p: TaskProfile, ratio: float, score: float) -> None:
         """Speed is single-peaked in the ratio: once a ratio is clearly slower than the best
