@@ -83,3 +83,13 @@ def test_settled_on_plain_decoding_it_reprobes_rarely_and_finds_a_change():
     # speculation starts to pay (say, longer contexts): a later re-probe finds it
     log = run(policy, Landscape(ratio_peak(0.3)), prompts_of(0, 30), tokens=240, noise=0.01, log=log)
     assert log.windows[-1][1].speculative
+
+
+def test_a_new_task_inherits_plain_decoding_then_checks_and_finds_its_own_ratio():
+    policy = SpiritPolicy(ModelInfo(L))
+    never = Landscape(lambda skip: 1.0 - (skip.ratio(L) if skip else 0.0))
+    log = run(policy, never, prompts_of(0, 4), noise=0.01)
+    log = run(policy, Landscape(ratio_peak(0.3)), prompts_of(1, 12), noise=0.01, log=log)
+    assert len(policy.profiles) == 2
+    assert not log.configs_of(4)[0].speculative  # no probe on arrival
+    assert abs(exploit_ratio(policy, log, 15) - 0.3) <= 0.1  # found after its re-probe

@@ -37,6 +37,7 @@ SHIFT_DROP = 0.8  # exploit windows below 80% of the expected speed are suspicio
 SHIFT_PATIENCE = 2  # ... and this many in a row trigger a re-search
 PLAIN_REFRESH = 24  # exploit windows between plain-decoding windows that recalibrate
 REPROBE_EVERY = 48  # plain-decoding exploit windows before the smallest ratio is tried again
+YOUNG_REPROBE = 8  # ... but a new profile that inherited plain decoding checks after this many
 MIN_TOKENS = 8  # shorter windows (end of a request) are too noisy to judge
 SEARCH_WINDOW = 24  # tokens per window while searching
 EXPLOIT_WINDOW = 48  # tokens per window while exploiting
@@ -148,9 +149,14 @@ class SpiritPolicy(Policy):
         means = {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
         best = max(means, key=lambda r: (means[r], -r)) if means else 0.0
         tried = [r for r in means if r > 0]
-        if best == 0 and tried and min(tried) > RATIO_GRID[1] + 1e-9:
+        step = RATIO_GRID[1]
+        if best == 0 and tried and min(tried) > step + 1e-9:
             # a local search found nothing faster than plain decoding above: look lower
-            p.pending = [round(max(RATIO_GRID[1], min(tried) - 2 * REFINE_STEP), 4)]
+            p.pending = [round(max(step, min(tried) - step), 4)]
+            return
+        if best > 0 and best >= max(tried) and best + step <= MAX_RATIO + 1e-9:
+            # the best is the largest ratio tried: the peak may lie higher, climb a step
+            p.pending = [round(best + step, 4)]
             return
         if not p.refined and best > 0:
             p.refined = True
@@ -200,6 +206,12 @@ class SpiritPolicy(Policy):
             return profile
         r = base.ratio
         profile.ratio_scores = {_key(0.0): [1.0]}  # plain decoding: 1.0 by definition once calibrated
+        if r == 0.0 and base.stage == "exploit":
+            # the nearest task found nothing faster than plain decoding: start there, and
+            # check the smallest ratio after a few windows rather than at once
+            profile.stage, profile.pending = "exploit", []
+            profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
+            return profile
         around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
         profile.pending = [x for x in dict.fromkeys(around) if 0 < x <= MAX_RATIO]
         profile.inherited = [list(s) for s in base.skip] if base.skip else None
