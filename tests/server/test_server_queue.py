@@ -88,7 +88,7 @@ def test_disconnect_mid_stream_frees_the_engine(busy_server, expected):
 
 
 def test_timeout_gives_504_and_frees_the_engine(make_server):
-    srv = make_server(method="vanilla", request_timeout_s=0.3)
+    srv = make_server(method="vanilla", request_timeout_s=0.05)  # 1000 tiny-model tokens take longer
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "temperature": 0},
                    timeout=30)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"

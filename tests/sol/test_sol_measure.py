@@ -28,7 +28,9 @@ def _below_bound(hw):
     for name, fn, args in _ops():
         _, b = analyze(fn, args, hw)
         measured = time_call(lambda: fn(*args), repeats=5, warmup=1, budget_s=1.0)
-        if measured < b.fused:
+        # the calibrated peaks are themselves medians of noisy timings on a shared
+        # 2-core machine: a run a few percent under the bound is noise, 10% is a wrong bound
+        if measured < 0.9 * b.fused:
             below.append((name, measured, b.fused))
     return below
 
@@ -67,7 +69,7 @@ def test_cli_measure_and_score(this_cpu, tmp_path, capsys):
         "import torch\n"
         "class Model(torch.nn.Module):\n"
         "    def forward(self, x):\n        return torch.relu(x) + 1\n"
-        "def get_inputs():\n    return [torch.randn(1 << 20)]\n"
+        "def get_inputs():\n    return [torch.randn(1 << 25)]\n"  # 128 MB: beyond the caches
         "def get_init_inputs():\n    return []\n")
     assert main(["sol", "measure", f"{problem}:Model", "--repeats", "3", "--baseline-ms", "1000", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
