@@ -9,7 +9,7 @@ Both are frozen, hashable values passed as arguments; nothing global is toggled.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 class SkipSetError(ValueError):
@@ -113,11 +113,6 @@ def random_skipset(num_layers: int, ratio: float, rng: random.Random) -> SkipSet
     return skipset_from_sublayers(rng.sample(candidates, count))
 
 
-def ranked_skipset(order: list[tuple[str, int]], count: int) -> SkipSet:
-    """Skip the first `count` sublayers of an order (least important first)."""
-    return skipset_from_sublayers(order[: max(0, count)])
-
-
 @dataclass(frozen=True)
 class DraftConfig:
     """What the engine runs for one window. `skip=None` means plain decoding (no drafts)."""
@@ -134,9 +129,6 @@ class DraftConfig:
     @property
     def speculative(self) -> bool:
         return self.skip is not None
-
-    def with_skip(self, skip: SkipSet | None) -> "DraftConfig":
-        return replace(self, skip=skip)
 
     def describe(self, num_layers: int) -> str:
         if self.skip is None:

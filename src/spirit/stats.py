@@ -13,7 +13,7 @@ Conventions (see also verify.py for accepted / recovered / bonus):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from spirit.skipset import DraftConfig
 
@@ -103,6 +103,3 @@ class GenerationStats:
             "windows": list(self.windows),
         }
 
-
-def counters_dict(c: Counters) -> dict:
-    return asdict(c)

@@ -60,6 +60,3 @@ class KVCache:
 
     def committed_view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
