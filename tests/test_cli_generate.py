@@ -117,3 +117,25 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
 def test_models_list(capsys):
     code, out, _ = run(capsys, "models", "list")
     assert code == 0 and "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
+
+
+def test_profile_file_is_saved_and_loaded(model_dir, tmp_path, capsys):
+    profile = tmp_path / "spirit-profile.json"
+    args = ["generate", "--model", str(model_dir), "--prompt", "Hello", "--max-new-tokens", "40",
+            "--method", "spirit", "--profile-file", str(profile), "--json"]
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and profile.exists()
+    saved = json.loads(profile.read_text())
+    assert saved["method"] == "spirit" and saved["state"]["speed"]["samples"]
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    # the second run starts calibrated: no plain calibration window before its first plan
+    assert json.loads(profile.read_text())["state"]["index"]["counts"][0] == 2
+
+
+def test_profile_for_another_method_is_refused(model_dir, tmp_path, capsys):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"method": "sp2ec", "layers": 4, "state": {}}))
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--method", "spirit",
+                       "--profile-file", str(profile))
+    assert code == 2 and "is for method 'sp2ec'" in err
