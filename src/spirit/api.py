@@ -13,6 +13,7 @@ Policies are created once per method and kept, so that successive requests to th
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -173,26 +174,25 @@ class Spirit:
                 from spirit.policies.profiles import load_profile
 
                 load_profile(policy, Path(profile_file))
-            if getattr(policy, "calibrated", True) is False:
+            if not policy.calibrated:
                 self._calibrate(policy)
             self._policies[key] = policy
         return self._policies[key]
 
     def _calibrate(self, policy: Policy, tokens: int = 32) -> None:
         """Offline calibration (the `dv` baseline): measured tokens/s of a configuration on
-        the policy's calibration prompts, a short run each, after one warm-up."""
+        the calibration prompts in turn, a short run each, after one warm-up."""
         from spirit.policies.base import StaticPolicy, VanillaPolicy
         from spirit.policies.dv import CALIBRATION_PROMPTS
 
         info = ModelInfo(self.num_layers, self.name)
         prompts = [self.encode(p, chat=bool(getattr(self.tokenizer, "chat_template", None))) for p in CALIBRATION_PROMPTS]
         self.generate(prompts[0], max_new_tokens=8, policy=VanillaPolicy(info))
-        turn = iter(range(10**9))
+        turns = itertools.cycle(prompts)
 
         def measure(skip: SkipSet | None) -> float:
             runner = VanillaPolicy(info) if skip is None else StaticPolicy(info, policy.base, skip=skip)
-            prompt = prompts[next(turn) % len(prompts)]
-            return self.generate(prompt, max_new_tokens=tokens, policy=runner).stats.decode_tokens_per_s
+            return self.generate(next(turns), max_new_tokens=tokens, policy=runner).stats.decode_tokens_per_s
 
         policy.calibrate(measure)
 

@@ -61,6 +61,13 @@ class Policy(ABC):
         """The last (possibly partial) window of a request."""
         self.learn(stats)
 
+    # False for policies that must measure configurations offline before serving (`dv`);
+    # the caller then runs `calibrate(measure)` with measure(skip) -> tokens/s
+    calibrated: bool = True
+
+    def calibrate(self, measure: Callable[[SkipSet | None], float]) -> None:
+        """Offline calibration; nothing to do for online policies."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

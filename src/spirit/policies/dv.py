@@ -39,8 +39,9 @@ class DraftVerifyPolicy(Policy):
         self.rng = random.Random(seed)
         self.calibration_trials = trials
         self.skip: SkipSet | None = None
-        self.calibrated = False
         self.trials: list[tuple[list[int], float]] = []
+
+    calibrated = False  # until calibrate() has run (or a profile says it has)
 
     def calibrate(self, measure: Callable[[SkipSet | None], float], trials: int | None = None) -> None:
         """Bayesian optimization of measure(skip) -> tokens/s; plain decoding is a candidate."""

@@ -20,6 +20,7 @@ returns to a known task restores its profile at once, and a new task starts a ne
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
@@ -38,6 +39,7 @@ SHIFT_PATIENCE = 2  # ... and this many in a row trigger a re-search
 PLAIN_REFRESH = 24  # exploit windows between plain-decoding windows that recalibrate
 REPROBE_EVERY = 48  # plain-decoding exploit windows before the smallest ratio is tried again
 YOUNG_REPROBE = 8  # ... but a new profile that inherited plain decoding checks after this many
+HISTORY_WINDOWS = 4096
 MIN_TOKENS = 8  # shorter windows (end of a request) are too noisy to judge
 SEARCH_WINDOW = 24  # tokens per window while searching
 EXPLOIT_WINDOW = 48  # tokens per window while exploiting
@@ -87,7 +89,9 @@ class SpiritPolicy(Policy):
         self.trial: tuple[str, object] = ("plain", None)
         self.windows_since_plain = 0
         self.context = 0.0  # context length at the last feedback
-        self.history: list[dict] = []  # (profile, trial kind, ratio, score) per window, for reports
+        # recent windows' (profile, trial kind, ratio, score), for reports; bounded because a
+        # server keeps one policy for its whole life
+        self.history: deque[dict] = deque(maxlen=HISTORY_WINDOWS)
 
     # -- configurations ----------------------------------------------------------------------
 
@@ -231,7 +235,8 @@ class SpiritPolicy(Policy):
         if score is None:
             return
         p = self.profile
-        self.history.append({"profile": self.current, "trial": kind, "ratio": round(stats.config.skip.ratio(self.model.num_layers), 3) if stats.config.skip else 0.0, "score": round(score, 4)})
+        ratio = stats.config.skip.ratio(self.model.num_layers) if stats.config.skip else 0.0
+        self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
         if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending:
             kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
         if kind == "ratio":
