@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -225,19 +225,23 @@ class Spirit:
         stop: Sequence[str] = (),
         chat: bool = False,
         skip: SkipSet | str | None = None,
-        max_draft: int = 25,
-        threshold: float = 0.8,
+        draft: DraftConfig | None = None,
         profile_file: str | Path | None = None,
         tag: str | None = None,
+        **knobs,
     ) -> tuple[Request, Policy]:
+        """`draft` or its fields as keywords (max_draft, threshold, ngram, draft_vocab,
+        branches, ...; see DraftConfig) set the drafting knobs the policy works with."""
         if method == "hf":
             raise ValueError("method 'hf' (transformers' generate) has no streaming; use generate()")
-        if max_draft < 1:
-            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        unknown = sorted(set(knobs) - set(DraftConfig.__dataclass_fields__) - {"skip", "probe"})
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
+        draft = replace(draft or default_draft(method), **knobs)
         sampling = SamplingParams(temperature, top_p, top_k, seed)
         request = Request(prompt, max_new_tokens, method, sampling, tuple(stop), chat, tag)
         if policy is None:
-            policy = self.policy(method, skip, DraftConfig(max_draft=max_draft, threshold=threshold), profile_file)
+            policy = self.policy(method, skip, draft, profile_file)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         return request, policy
@@ -280,6 +284,17 @@ class Spirit:
             text = text[:cut]
         stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), wall_time_s=wall)
         return GenerationResult(text, new, stats, finish, "hf")
+
+
+def default_draft(method: str) -> DraftConfig:
+    """The drafting knobs a method runs with unless told otherwise: SWIFT's chain defaults
+    for the baselines; for `spirit` every lever that measured faster (docs/benchmarks/)."""
+    if method == "spirit":
+        return SPIRIT_DRAFT
+    return DraftConfig()
+
+
+SPIRIT_DRAFT = DraftConfig(ngram=True, draft_vocab=32768, branches=2)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

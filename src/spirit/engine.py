@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spirit.drafts.layerskip import draft_layerskip
+from spirit.drafts.ngram import NgramIndex
+from spirit.drafts.tree import MAX_NODES, DraftTree
+from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import Policy, RequestInfo, VanillaPolicy, ModelInfo
 from spirit.sampling import SamplingParams, probabilities, sample
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import Counters, GenerationStats, WindowStats
-from spirit.verify import verify_greedy, verify_sampling
+from spirit.verify import verify_tree_greedy, verify_tree_sampling
 
 _NO_SKIP = SkipSet()
 PROBE_TOKENS = 32  # committed tokens a teacher-forced agreement probe scores
@@ -62,6 +66,9 @@ class Engine:
         self.model = model
         self.max_context = max_context or model.shape.max_positions
         self._requests = 0
+        # reduced-vocabulary draft heads and the token frequencies they come from, learned
+        # from every request this engine serves
+        self.heads = DraftHeads(model.lm_head.weight)
 
     @property
     def info(self) -> ModelInfo:
@@ -99,8 +106,10 @@ class Engine:
         t_start = time.perf_counter()
 
         config = policy.start_request(request)
-        longest_draft = max(config.max_draft, PROBE_TOKENS, 64)
-        cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + longest_draft + 2)
+        self.heads.table.observe(prompt_ids)  # a prompt's tokens are likely to be copied
+        self.heads.table.pin(settings.eos_token_ids)
+        lookup = NgramIndex()
+        cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
         prompt = torch.tensor([prompt_ids])
         logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
         first = self._pick(logits, sampling, generator)
@@ -116,7 +125,9 @@ class Engine:
             if window.config.probe is not None and window.probe_agreement is None:
                 window.probe_agreement = self._probe(ids, cache, window.config.probe, window.counters)
             if window.config.speculative:
-                new = self._speculative_round(ids, cache, window.config, sampling, generator, budget, window.counters)
+                new = self._speculative_round(
+                    ids, cache, window.config, sampling, generator, budget, window.counters, lookup
+                )
             else:
                 new = self._plain_step(ids, cache, sampling, generator, window.counters)
             eos_at = next((i for i, t in enumerate(new) if t in settings.eos_token_ids), None)
@@ -133,6 +144,7 @@ class Engine:
                 window = self._close_window(window, request, policy, stats, len(ids), final=False)
 
         self._close_window(window, request, policy, stats, len(ids), final=True)
+        self.heads.table.observe(ids[len(prompt_ids) :])
         stats.new_tokens = len(ids) - len(prompt_ids)
         stats.wall_time_s = time.perf_counter() - t_start
         return stats
@@ -154,32 +166,6 @@ class Engine:
         counters.verify_time_s += time.perf_counter() - t0
         return [token]
 
-    def _draft(
-        self, ids: list[int], cache, config: DraftConfig, sampling: SamplingParams, generator, limit: int
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """Up to `limit` draft tokens from the pending token, stopping early when the draft's
-        top-1 probability falls below config.threshold. Returns tokens and (when sampling)
-        the distributions they were drawn from."""
-        committed = len(ids) - 1
-        token = ids[-1]
-        tokens: list[int] = []
-        dists: list[torch.Tensor] = []
-        for j in range(limit):
-            logits = self.model.forward(torch.tensor([[token]]), committed + j, cache, config.skip, last_only=True)[0]
-            if sampling.greedy:
-                probs = torch.softmax(logits, dim=-1)
-                confidence, best = probs.max(dim=-1)
-                token = int(best)
-            else:
-                probs = probabilities(logits, sampling)
-                dists.append(probs)
-                token = sample(probs, generator)
-                confidence = probs.max()
-            tokens.append(token)
-            if float(confidence) < config.threshold:
-                break
-        return tokens, dists
-
     def _speculative_round(
         self,
         ids: list[int],
@@ -189,31 +175,53 @@ class Engine:
         generator,
         budget: int,
         counters: Counters,
+        lookup: NgramIndex,
     ) -> list[int]:
         # drafting more than budget - 1 tokens cannot pay: the verification adds one more
-        limit = min(config.max_draft, budget - 1)
+        limit = min(config.max_draft, budget - 1, MAX_NODES - 1)
         if limit < 1:
             return self._plain_step(ids, cache, sampling, generator, counters)
         t0 = time.perf_counter()
-        draft, draft_dists = self._draft(ids, cache, config, sampling, generator, limit)
+        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters)
+        if tree.drafted == 0:  # nothing to verify: this round is a plain step
+            counters.draft_time_s += time.perf_counter() - t0
+            return self._plain_step(ids, cache, sampling, generator, counters)
         t1 = time.perf_counter()
         committed = len(ids) - 1
-        verify_input = torch.tensor([[ids[-1], *draft]])
-        target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP)  # [k+1, vocab]
-        draft_tensor = torch.tensor(draft)
-        if sampling.greedy:
-            verdict = verify_greedy(draft_tensor, target_logits)
+        verify_input = torch.tensor([tree.tokens])
+        if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
+            target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP)  # [size, vocab]
         else:
-            verdict = verify_sampling(
-                draft_tensor, torch.stack(draft_dists), probabilities(target_logits, sampling), generator
+            target_logits = self.model.forward(
+                verify_input, committed, cache, _NO_SKIP,
+                positions=tree.positions(committed), visible=tree.visible(committed),
             )
+        if sampling.greedy:
+            verdict = verify_tree_greedy(tree, target_logits)
+        else:
+            verdict = verify_tree_sampling(tree, probabilities(target_logits, sampling), generator)
+        cache.keep_path(committed + 1, [committed + node for node in verdict.path])
         t2 = time.perf_counter()
         counters.draft_time_s += t1 - t0
         counters.verify_time_s += t2 - t1
         counters.draft_rounds += 1
-        counters.drafted += len(draft)
+        counters.drafted += tree.drafted
         counters.accepted += verdict.accepted
-        return draft[: verdict.accepted] + [verdict.next_token]
+        return [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+
+    def _propose(
+        self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters
+    ) -> DraftTree:
+        """Prompt lookup first (free); the skipping model only when lookup finds nothing."""
+        if config.ngram:
+            tree = lookup.propose(ids, min(config.ngram_tokens, limit), config.branches)
+            if tree.drafted:
+                counters.lookup_rounds += 1
+                return tree
+        if config.skip is None:
+            return DraftTree(ids[-1])
+        head = self.heads.head(config.draft_vocab)
+        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head)
 
     def _probe(self, ids: list[int], cache, skip: SkipSet, counters: Counters) -> float | None:
         """Teacher-forced top-1 agreement of `skip` with the last committed tokens.

@@ -115,25 +115,60 @@ def random_skipset(num_layers: int, ratio: float, rng: random.Random) -> SkipSet
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """What the engine runs for one window. `skip=None` means plain decoding (no drafts)."""
+    """What the engine runs for one window: which draft sources, and their knobs.
+
+    `skip=None` and `ngram=False` mean plain decoding (no drafts). With `ngram`, a round
+    first looks the recent text up in the prompt and the text generated so far (free to
+    draft); only when that finds nothing does it draft with the skipping model (if `skip`).
+    """
 
     skip: SkipSet | None = None
     # SWIFT's defaults: stop drafting when the draft's top-1 probability drops below 0.8,
-    # at most 25 tokens. On a CPU in bf16, verifying up to ~16 tokens costs about one step.
+    # at most 25 tokens.
     max_draft: int = 25
     threshold: float = 0.8
     # A candidate skip set whose teacher-forced top-1 agreement with the committed text the
     # engine should measure during the window (SWIFT's "matchness"); costs one draft pass.
     probe: SkipSet | None = None
+    # Prompt-lookup drafts (drafts/ngram.py); at most `ngram_tokens` per round, because on a
+    # CPU verifying k tokens costs about 1 + 0.035k plain steps (measured on qwen2.5-1.5b in
+    # bf16), so a long wrong guess is not free.
+    ngram: bool = False
+    ngram_tokens: int = 8
+    # 0: the draft scores the whole vocabulary; N: only the N most frequent tokens
+    # (drafts/vocab.py), so drafting reads N/V of the lm_head. Verification always uses all.
+    draft_vocab: int = 0
+    # 1: drafts are chains. b > 1: where the draft's top-1 probability is below
+    # `branch_below`, up to b - 1 runner-up tokens join the tree as leaves, verified in the
+    # same pass (drafts/tree.py).
+    branches: int = 1
+    branch_below: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+        if self.ngram_tokens < 1:
+            raise ValueError(f"ngram_tokens must be >= 1, got {self.ngram_tokens}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if self.branches < 1:
+            raise ValueError(f"branches must be >= 1, got {self.branches}")
 
     @property
     def speculative(self) -> bool:
-        return self.skip is not None
+        return self.skip is not None or self.ngram
 
     def describe(self, num_layers: int) -> str:
-        if self.skip is None:
+        if not self.speculative:
             return "vanilla"
-        return f"ratio={self.skip.ratio(num_layers):.2f} {self.skip}"
+        parts = [f"ratio={self.skip.ratio(num_layers):.2f} {self.skip}"] if self.skip is not None else []
+        if self.ngram:
+            parts.append(f"ngram={self.ngram_tokens}")
+        if self.skip is not None and self.draft_vocab:
+            parts.append(f"vocab={self.draft_vocab}")
+        if self.skip is not None and self.branches > 1:
+            parts.append(f"branches={self.branches}")
+        return " ".join(parts)
 
 
 VANILLA = DraftConfig(skip=None)

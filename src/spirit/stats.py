@@ -5,6 +5,8 @@ Conventions (see also verify.py for accepted / recovered / bonus):
   (Spec-Bench's definition). `decode_tokens_per_s` excludes the prefill.
 - a *draft round* is one draft-then-verify cycle with at least one drafted token; a plain
   decoding step is a full-model pass with no draft and is not a round.
+- *drafted tokens* count every node of a draft tree but its root (a chain of k has k); with
+  branches, at most one branch per depth can be accepted.
 - *acceptance rate* = accepted / drafted tokens.
 - *mean accepted* = accepted draft tokens per draft round, the recovered/bonus token NOT
   included (add 1 for tokens committed per verification, vLLM's "mean acceptance length").
@@ -33,6 +35,7 @@ class Counters:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     probe_time_s: float = 0.0  # teacher-forced agreement probes asked for by a policy
+    lookup_rounds: int = 0  # draft rounds whose tree came from prompt lookup (drafts/ngram.py)
 
     def add(self, other: "Counters") -> None:
         for name in vars(self):
@@ -99,6 +102,7 @@ class GenerationStats:
             "draft_time_s": round(c.draft_time_s, 6),
             "verify_time_s": round(c.verify_time_s, 6),
             "probe_time_s": round(c.probe_time_s, 6),
+            "lookup_rounds": c.lookup_rounds,
             "configs": list(self.configs),
             "windows": list(self.windows),
         }

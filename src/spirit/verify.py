@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spirit.drafts.tree import DraftTree
 from spirit.sampling import sample
 
 
@@ -30,14 +31,74 @@ class Verdict:
     next_token: int  # the recovered token (n < k) or the bonus token (n == k)
 
 
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted nodes, root's child first (see drafts/tree.py); len = accepted
+    next_token: int  # recovered or bonus token after the last accepted node
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
+    """target_logits: [size, vocab], row i scores the token after node i. From the root,
+    follow the child whose token is the full model's argmax; stop where none is."""
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # [size]
+    node, path = 0, []
+    while (nxt := tree.child(node, target_tokens[node])) is not None:
+        path.append(nxt)
+        node = nxt
+    return TreeVerdict(path, target_tokens[node])
+
+
+def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> TreeVerdict:
+    """target_probs: [size, vocab] (p, processed exactly like the drafts' q).
+
+    Multi-candidate speculative sampling (SpecInfer, Miao et al., 2024, Alg. 2; one
+    candidate is Leviathan et al.'s rule): at a node, try its children in order. Child c,
+    drawn from q_c independently of the others, is accepted with probability
+    min(1, p(c) / q_c(c)); on rejection the target becomes the residual norm(max(0, p - q_c))
+    and the next child is tried against it. Each try is an exact speculative step on the
+    current target, so the emitted token is distributed as the node's p; if every child is
+    rejected, the token is drawn from the last residual. A child proposed deterministically
+    (q = None) has q = one-hot, so it is accepted with probability p(c).
+    """
+    node, path = 0, []
+    while True:
+        p = target_probs[node]
+        moved = False
+        for c in tree.children(node):
+            token = tree.tokens[c]
+            q = tree.dists[c]
+            q_tok = 1.0 if q is None else float(q[token])
+            # u < p/q, written without a division (q == 0 is impossible for a drawn token)
+            if float(torch.rand((), generator=generator)) * q_tok < float(p[token]):
+                path.append(c)
+                node, moved = c, True
+                break
+            p = _residual(p, q, token)
+        if not moved:
+            return TreeVerdict(path, sample(p, generator))
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    if q is None:
+        residual = p.clone()
+        residual[token] = 0.0
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    # p == q leaves no residual mass; rejection then has probability 0, any draw from p is exact
+    return residual / total if total > 0 else p
+
+
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """draft_tokens: [k] ids; target_logits: [k+1, vocab], row j scores the token after
-    the j-th input (row 0 follows the last committed token)."""
-    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
-    k = draft_tokens.shape[0]
-    mismatches = (draft_tokens != target_tokens[:k]).nonzero()
-    accepted = int(mismatches[0]) if mismatches.numel() else k
-    return Verdict(accepted, int(target_tokens[accepted]))
+    """A chain: draft_tokens [k] ids; target_logits [k+1, vocab], row j scores the token
+    after the j-th input (row 0 follows the last committed token)."""
+    tree = DraftTree.chain(-1, draft_tokens.tolist())
+    verdict = verify_tree_greedy(tree, target_logits)
+    return Verdict(verdict.accepted, verdict.next_token)
 
 
 def verify_sampling(
@@ -46,22 +107,8 @@ def verify_sampling(
     target_probs: torch.Tensor,
     generator: torch.Generator,
 ) -> Verdict:
-    """draft_tokens: [k]; draft_probs: [k, vocab] (q, the distributions d_j was drawn from);
-    target_probs: [k+1, vocab] (p, processed exactly like q)."""
-    k = draft_tokens.shape[0]
-    rows = torch.arange(k)
-    p_tok = target_probs[rows, draft_tokens]  # [k]
-    q_tok = draft_probs[rows, draft_tokens]  # [k]
-    uniforms = torch.rand(k, generator=generator)
-    # accept when u < p/q, written without a division so that q == 0 (impossible for a
-    # sampled token, but cheap to guard) never accepts
-    accept = uniforms * q_tok < p_tok
-    rejected = (~accept).nonzero()
-    if not rejected.numel():
-        return Verdict(k, sample(target_probs[k], generator))
-    n = int(rejected[0])
-    residual = (target_probs[n] - draft_probs[n]).clamp_min(0.0)
-    total = residual.sum()
-    # p == q exactly leaves no residual mass; then any draw from p is exact
-    recovered = sample(residual / total if total > 0 else target_probs[n], generator)
-    return Verdict(n, recovered)
+    """A chain: draft_tokens [k]; draft_probs [k, vocab] (q, the distributions d_j was drawn
+    from); target_probs [k+1, vocab]."""
+    tree = DraftTree.chain(-1, draft_tokens.tolist(), list(draft_probs))
+    verdict = verify_tree_sampling(tree, target_probs, generator)
+    return Verdict(verdict.accepted, verdict.next_token)

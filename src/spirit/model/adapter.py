@@ -16,11 +16,15 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from spirit.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from spirit.drafts.vocab import DraftHead
 from spirit.skipset import SkipSet
 
 
@@ -193,10 +197,20 @@ class SkippableModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab] (with Gemma's final soft-capping)."""
-        out = self.lm_head(hidden).float()
+        return self._capped(self.lm_head(hidden).float())
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor, head: "DraftHead | None") -> torch.Tensor:
+        """[hidden] -> float32 logits [vocab]; with a reduced head, only its tokens are scored
+        and every other token gets -inf."""
+        if head is None:
+            return self.logits(hidden)
+        return head.to_full(self._capped(head.scores(hidden).float()))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self._softcap:
-            out = torch.tanh(out / self._softcap) * self._softcap
-        return out
+            return torch.tanh(logits / self._softcap) * self._softcap
+        return logits
 
     @torch.inference_mode()
     def forward(

@@ -58,5 +58,16 @@ class KVCache:
         v_buf[:, :, self._start : end] = value_states
         return k_buf[:, :, :end], v_buf[:, :, :end]
 
+    def keep_path(self, start: int, slots: list[int]) -> None:
+        """After a token tree's verification: move the KV of the accepted nodes, which sit in
+        slots `slots` (ascending, each >= start), to slots start, start+1, ... in every
+        layer. Only those few rows move; a chain's accepted prefix is already in place."""
+        if all(s == start + j for j, s in enumerate(slots)):
+            return
+        src = torch.tensor(slots, device=self.keys[0].device)
+        dst = slice(start, start + len(slots))
+        for buf in (*self.keys, *self.values):
+            buf[:, :, dst] = buf[:, :, src]  # reads all sources before writing
+
     def committed_view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]

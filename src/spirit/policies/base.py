@@ -8,7 +8,7 @@ state across requests (a stream of requests is what they adapt to) and can save 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar
 
 from spirit.skipset import VANILLA, DraftConfig, SkipSet
@@ -40,8 +40,9 @@ class Policy(ABC):
         self.model = model
         self.base = base  # drafting knobs (max_draft, threshold) the policy leaves as given
 
-    def config(self, skip: SkipSet | None, probe: SkipSet | None = None) -> DraftConfig:
-        return DraftConfig(skip=skip, max_draft=self.base.max_draft, threshold=self.base.threshold, probe=probe)
+    def config(self, skip: SkipSet | None, probe: SkipSet | None = None, **choices: Any) -> DraftConfig:
+        """The base knobs with this window's skip set (and any other choice the policy makes)."""
+        return replace(self.base, skip=skip, probe=probe, **choices)
 
     @abstractmethod
     def plan(self) -> DraftConfig:
@@ -85,7 +86,7 @@ class VanillaPolicy(Policy):
     window_tokens = 64
 
     def plan(self) -> DraftConfig:
-        return VANILLA
+        return VANILLA  # whatever the base says: this is the reference
 
 
 class StaticPolicy(Policy):
@@ -102,6 +103,16 @@ class StaticPolicy(Policy):
 
     def plan(self) -> DraftConfig:
         return self.config(self.skip)
+
+
+class LookupPolicy(Policy):
+    """Prompt-lookup drafts alone (drafts/ngram.py): no draft model pass at all."""
+
+    name = "lookup"
+    window_tokens = 64
+
+    def plan(self) -> DraftConfig:
+        return self.config(None, ngram=True)
 
 
 PolicyFactory = Callable[..., Policy]
@@ -129,3 +140,4 @@ class PolicyRegistry:
 REGISTRY = PolicyRegistry()
 REGISTRY.register(VanillaPolicy)
 REGISTRY.register(StaticPolicy)
+REGISTRY.register(LookupPolicy)

@@ -118,7 +118,7 @@ class Sp2ecPolicy(Policy):
             return
         if not stats.config.speculative:
             self.speed.observe_plain(stats)
-        else:
+        elif stats.config.skip is not None:
             rejected = 1.0 - stats.counters.acceptance_rate
             for i in stats.config.skip.attn | stats.config.skip.mlp:
                 if i in self.harm:

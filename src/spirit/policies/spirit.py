@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
 from spirit.policies.features import ProfileIndex, prompt_vector
@@ -67,6 +67,7 @@ class TaskProfile:
     searches: int = 1
     requests: int = 0
     inherited: list[list] | None = None  # the neighbour's pattern this profile started from
+    lookup: bool = False  # whether the incumbent drafts by prompt lookup first
     exploited: int = 0  # exploit windows since the last search
 
 
@@ -79,7 +80,11 @@ class SpiritPolicy(Policy):
     window_tokens = SEARCH_WINDOW
 
     def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0) -> None:
-        super().__init__(model, base)
+        # Prompt lookup is a source the policy switches on per window: with it, every ratio
+        # of the grid (0 included: lookup alone) drafts by lookup first, and plain decoding
+        # (1.0 by definition) is the arm every other one must beat.
+        self.lookup = base.ngram
+        super().__init__(model, replace(base, ngram=False))
         self.rng = random.Random(seed)
         self.speed = SpeedModel()
         self.index = ProfileIndex()
@@ -123,7 +128,7 @@ class SpiritPolicy(Policy):
                 return self.plan()
             ratio = p.pending[0]
             self.trial = ("ratio", ratio)
-            return self.config(self._skipset(self.pattern_for(ratio)))
+            return self.config(self._skipset(self.pattern_for(ratio)), ngram=self.lookup)
         if p.stage == "pattern":
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
@@ -133,21 +138,26 @@ class SpiritPolicy(Policy):
                 p.stage = "exploit"
                 return self.plan()
             self.trial = ("pattern", candidate)
-            return self.config(self._skipset(candidate))
+            return self.config(self._skipset(candidate), ngram=p.lookup)
         # exploit
         self.window_tokens = EXPLOIT_WINDOW
-        if not p.skip and p.exploited >= REPROBE_EVERY:
+        if not p.skip and not p.lookup and p.exploited >= REPROBE_EVERY:
             # settled on plain decoding: now and then check whether speculation pays now
             # (longer contexts, another machine state); one window of regret per REPROBE_EVERY
             p.exploited, p.stage, p.refined = 0, "ratio", False
-            p.ratio_scores, p.pending = {_key(0.0): [1.0]}, [RATIO_GRID[1]]
+            p.ratio_scores, p.pending = self._plain_scores(), [RATIO_GRID[1]]
             return self.plan()
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
-        if p.skip and stale:
+        if (p.skip or p.lookup) and stale:
             self.trial = ("plain", None)
             return self.config(None)
         self.trial = ("exploit", None)
-        return self.config(self._skipset([tuple(s) for s in p.skip] if p.skip else None))
+        return self.config(self._skipset([tuple(s) for s in p.skip] if p.skip else None), ngram=p.lookup)
+
+    def _plain_scores(self) -> dict[str, list[float]]:
+        """Grid scores known without measuring: without lookup, ratio 0 is plain decoding,
+        1.0 by definition once calibrated; with lookup, ratio 0 is lookup alone (unknown)."""
+        return {} if self.lookup else {_key(0.0): [1.0]}
 
     def _finish_ratio_stage(self, p: TaskProfile) -> None:
         means = {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
@@ -170,7 +180,10 @@ class SpiritPolicy(Policy):
             ]
             if p.pending:
                 return
-        p.ratio, p.score = best, means.get(best, 1.0)
+        p.lookup = self.lookup and means.get(best, 0.0) >= 1.0
+        if self.lookup and not p.lookup:
+            best = 0.0  # nothing beat plain decoding
+        p.ratio, p.score = best, means.get(best, 1.0) if p.lookup or not self.lookup else 1.0
         p.skip = [list(s) for s in self.pattern_for(best)]
         p.stage = "pattern" if p.skip else "exploit"
         # a profile that kept its neighbour's ratio keeps its refined pattern: one check only
@@ -209,15 +222,16 @@ class SpiritPolicy(Policy):
         if base.stage == "ratio" and not base.ratio_scores:
             return profile
         r = base.ratio
-        profile.ratio_scores = {_key(0.0): [1.0]}  # plain decoding: 1.0 by definition once calibrated
-        if r == 0.0 and base.stage == "exploit":
+        profile.ratio_scores = self._plain_scores()
+        if r == 0.0 and base.stage == "exploit" and not base.lookup:
             # the nearest task found nothing faster than plain decoding: start there, and
             # check the smallest ratio after a few windows rather than at once
             profile.stage, profile.pending = "exploit", []
             profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
             return profile
         around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
-        profile.pending = [x for x in dict.fromkeys(around) if 0 < x <= MAX_RATIO]
+        lowest = 0 if self.lookup else 1e-9  # with lookup, ratio 0 (lookup alone) is an arm to measure
+        profile.pending = [x for x in dict.fromkeys(around) if lowest <= x <= MAX_RATIO]
         profile.inherited = [list(s) for s in base.skip] if base.skip else None
         return profile
 
@@ -237,7 +251,7 @@ class SpiritPolicy(Policy):
         p = self.profile
         ratio = stats.config.skip.ratio(self.model.num_layers) if stats.config.skip else 0.0
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
-        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending:
+        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.lookup:
             kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
         if kind == "ratio":
             p.ratio_scores.setdefault(_key(arg), []).append(score)

@@ -1,0 +1,71 @@
+"""Self-speculative drafts: the model itself with some sublayers skipped.
+
+The draft runs as a chain from the pending token, one skipping pass per token, writing its KV
+in slots `committed + j` of the layers it runs (model/kv_cache.py says why that is safe),
+and stops once its top-1 probability falls below the threshold. Where it is unsure
+(top-1 below `branch_below`) the runner-ups join the tree as leaves: they cost no draft
+pass, only rows of the verification pass, which on a CPU are nearly free.
+
+Chain nodes are numbered 1..k, so node j's draft KV is in slot committed + j - 1 exactly as a
+chain's; the leaves come after them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spirit.drafts.tree import DraftTree
+from spirit.drafts.vocab import DraftHead
+from spirit.model.adapter import SkippableModel
+from spirit.model.kv_cache import KVCache
+from spirit.sampling import SamplingParams, probabilities, sample
+from spirit.skipset import DraftConfig
+
+
+def draft_layerskip(
+    model: SkippableModel,
+    ids: list[int],
+    cache: KVCache,
+    config: DraftConfig,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    limit: int,
+    head: DraftHead | None = None,
+) -> DraftTree:
+    """A tree of up to `limit` chain tokens plus leaves, rooted at the pending token ids[-1]."""
+    assert config.skip is not None
+    committed = len(ids) - 1
+    token = ids[-1]
+    chain: list[int] = []
+    chain_dists: list[torch.Tensor] = []
+    leaves: list[tuple[int, int, torch.Tensor | None]] = []  # (parent node, token, q)
+    for j in range(limit):
+        hidden = model.hidden_states(torch.tensor([[token]]), committed + j, cache, config.skip)[0, -1]  # [hidden]
+        logits = model.draft_logits(hidden, head)  # [vocab], -inf outside a reduced head
+        probs = torch.softmax(logits, dim=-1) if sampling.greedy else probabilities(logits, sampling)
+        confidence = float(probs.max())
+        branch = config.branches > 1 and confidence < config.branch_below
+        if sampling.greedy:
+            if branch:
+                top = torch.topk(probs, config.branches).indices.tolist()
+                token = top[0]
+                leaves += [(j, t, None) for t in top[1:]]
+            else:
+                token = int(probs.argmax())
+        else:
+            # siblings are further independent draws from the same q (verify.py needs that)
+            token = sample(probs, generator)
+            chain_dists.append(probs)
+            if branch:
+                leaves += [(j, sample(probs, generator), probs) for _ in range(config.branches - 1)]
+        chain.append(token)
+        if confidence < config.threshold:
+            break
+    tree = DraftTree.chain(ids[-1], chain, chain_dists or None)
+    for parent, leaf, dist in leaves:
+        if tree.full:
+            break
+        if sampling.greedy and tree.child(parent, leaf) is not None:
+            continue
+        tree.add(parent, leaf, dist)
+    return tree
