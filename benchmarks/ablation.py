@@ -25,6 +25,7 @@ from pathlib import Path
 
 import spirit
 from spirit.api import SPIRIT_DRAFT
+from spirit.bench.metrics import NEAR_TIE, first_divergence
 from spirit.bench.questions import load_questions, select
 from spirit.policies.spirit import prior_order
 from spirit.skipset import DraftConfig, skipset_from_sublayers
@@ -74,12 +75,20 @@ def main() -> int:
         if name != "spirit":
             run(lm, spec, "Say hello.", 16)
     rows: dict[str, list[dict]] = defaultdict(list)
+    margins: dict[str, list[float]] = defaultdict(list)  # logit gap at each divergence from vanilla
     for q in questions:
         reference = None
         for name, spec in table.items():
             r = run(lm, spec, q.turns[0], args.tokens)
             reference = reference if reference is not None else r.token_ids
             c = r.stats.counters
+            found = first_divergence(reference, r.token_ids)
+            if found is not None and None not in found[1:]:
+                pos, want, got = found
+                margin = lm.logit_margin(lm.encode(q.turns[0], chat=True), reference[:pos], want, got)
+                margins[name].append(margin)
+                print(f"    {name} diverges from vanilla at token {pos}: logit margin {margin:+.3f}"
+                      f" ({'near-tie' if abs(margin) < NEAR_TIE else 'CLEAR'})", file=sys.stderr, flush=True)
             rows[name].append(dict(category=q.category, tps=r.stats.tokens_per_s, exact=r.token_ids == reference,
                                    acc=c.acceptance_rate, per_round=c.mean_accepted, rounds=c.draft_rounds,
                                    lookup=c.lookup_rounds, draft_s=c.draft_time_s, verify_s=c.verify_time_s,
@@ -96,7 +105,7 @@ def main() -> int:
         f"model {lm.name}, dtype {str(lm.dtype).removeprefix('torch.')}, {len(questions)} questions x {args.tokens} "
         f"tokens, skip ratio {args.ratio}, draft vocab {args.vocab}, branches {args.branches}",
         "",
-        "| variant | tok/s | speedup | worst category | acceptance | accepted/round | lookup rounds | draft s | verify s | identical |",
+        "| variant | tok/s | speedup | worst category | acceptance | accepted/round | lookup rounds | draft s | verify s | identical to vanilla |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in table:
@@ -113,6 +122,11 @@ def main() -> int:
               "| variant | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]
     for name in table:
         lines.append(f"| {name} | " + " | ".join(f"{total_tps(name, c) / total_tps('vanilla', c):.2f}x" for c in categories) + " |")
+    lines += ["", f"Divergences from vanilla (bf16): logit margin at the first differing token; below {NEAR_TIE} "
+              "is a near-tie that a batched pass's rounding can flip.", ""]
+    for name in table:
+        if margins[name]:
+            lines.append(f"- {name}: " + ", ".join(f"{m:+.3f}" for m in margins[name]))
     text = "\n".join(lines)
     print(text)
     if args.markdown:

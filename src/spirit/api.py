@@ -151,6 +151,17 @@ class Spirit:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
+    def logit_margin(self, prompt_ids: list[int], prefix: list[int], token_a: int, token_b: int) -> float:
+        """The full model's logit of token_a minus token_b after prompt + prefix, computed as
+        plain decoding does (the prompt in one pass, then one token at a time): how close a
+        tie a divergence was."""
+        cache = self.model.new_cache(len(prompt_ids) + len(prefix) + 1)
+        full = SkipSet()
+        logits = self.model.forward(torch.tensor([list(prompt_ids)]), 0, cache, full, last_only=True)[0]
+        for j, token in enumerate(prefix):
+            logits = self.model.forward(torch.tensor([[token]]), len(prompt_ids) + j, cache, full, last_only=True)[0]
+        return float(logits[token_a] - logits[token_b])
+
     # -- policies --------------------------------------------------------------------------
 
     def policy(

@@ -42,6 +42,12 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-draft", type=int, default=25, help="most tokens drafted per round (SWIFT: 25)")
     p.add_argument("--threshold", type=float, default=0.8, help="stop drafting below this top-1 probability (SWIFT: 0.8)")
+    p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompt-lookup drafts first (default: on for spirit, off for the baselines)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft scores only the N most frequent tokens; 0 = all (default: 32768 for spirit, 0 otherwise)")
+    p.add_argument("--branches", type=int, default=None,
+                   help="token-tree leaves per unsure draft position, 1 = chains (default: 2 for spirit, 1 otherwise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -98,8 +104,19 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens, method=args.method, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, skip=args.skip,
-        max_draft=args.max_draft, threshold=args.threshold, profile_file=args.profile_file,
+        draft=draft_config(args), profile_file=args.profile_file,
     )
+
+
+def draft_config(args: argparse.Namespace):
+    """The method's default drafting knobs with what the command line sets."""
+    from dataclasses import replace
+
+    from spirit.api import default_draft
+
+    given = dict(ngram=args.ngram, draft_vocab=args.draft_vocab, branches=args.branches)
+    return replace(default_draft(args.method), max_draft=args.max_draft, threshold=args.threshold,
+                   **{k: v for k, v in given.items() if v is not None})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -163,9 +180,8 @@ def _save_profile(lm, args: argparse.Namespace, kwargs: dict) -> None:
     from pathlib import Path
 
     from spirit.policies.profiles import save_profile
-    from spirit.skipset import DraftConfig
 
-    policy = lm.policy(args.method, kwargs["skip"], DraftConfig(max_draft=args.max_draft, threshold=args.threshold), args.profile_file)
+    policy = lm.policy(args.method, kwargs["skip"], kwargs["draft"], args.profile_file)
     save_profile(policy, Path(args.profile_file))
 
 

@@ -147,3 +147,23 @@ def test_compare_lossless_reports_divergence_and_skips_later_turns():
     assert d.baseline_piece == "21" and d.method_piece == "99"
     assert d.baseline_context == "20,21,22" and d.method_context == "20,99,22"
     assert ll.to_dict()["lossless"] is False
+
+
+def test_divergence_reports_the_full_models_logit_margin():
+    prompt = [7, 8]
+    base = [QuestionRun("vanilla", Q1, [TurnResult("t", [10, 11, 12], stats(3, 1.0), "length", prompt)], slot=0)]
+    bad = [QuestionRun("bad", Q1, [TurnResult("t", [10, 99, 12], stats(3, 1.0), "length", prompt)], slot=0)]
+    calls = []
+
+    def margin(prompt_ids, prefix, a, b):
+        calls.append((prompt_ids, prefix, a, b))
+        return 0.2 if b == 99 else 3.0
+
+    (d,) = compare_lossless(base + bad, margin=margin)["bad"].divergences
+    assert calls == [([7, 8], [10], 11, 99)]
+    assert d.margin == 0.2 and d.near_tie is True
+    assert d.to_dict()["near_tie"] is True
+    (d2,) = compare_lossless(base + bad, margin=lambda *a: 3.0)["bad"].divergences
+    assert d2.near_tie is False
+    (d3,) = compare_lossless(base + bad)["bad"].divergences
+    assert d3.margin is None and d3.near_tie is None

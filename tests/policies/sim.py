@@ -22,6 +22,11 @@ class Landscape:
     plain_tps: Callable[[float], float] = lambda ctx: 20.0  # plain tokens/s at a context length
     acceptance: Callable[[SkipSet | None], float] = lambda skip: 0.8
     matchness: Callable[[SkipSet], float] = lambda skip: 0.5
+    # when set, speedup of the whole configuration (e.g. with prompt lookup), instead of `speedup`
+    config_speedup: Callable[[DraftConfig], float] | None = None
+
+    def speedup_of(self, config: DraftConfig) -> float:
+        return self.config_speedup(config) if self.config_speedup else self.speedup(config.skip)
 
 
 @dataclass
@@ -43,7 +48,7 @@ def run(policy: Policy, landscape: Landscape, prompts: list[tuple[int, ...]], to
         context, remaining = start_context + len(prompt), tokens
         while remaining > 0:
             w = min(max(1, policy.window_tokens), remaining)
-            speed = landscape.plain_tps(context) * landscape.speedup(config.skip) * (1 + noise * rng.gauss(0, 1))
+            speed = landscape.plain_tps(context) * landscape.speedup_of(config) * (1 + noise * rng.gauss(0, 1))
             drafted = w if config.speculative else 0
             counters = Counters(new_tokens=w, drafted=drafted, accepted=int(drafted * landscape.acceptance(config.skip)),
                                 draft_rounds=max(1, w // 4) if config.speculative else 0)

@@ -33,6 +33,7 @@ class TurnResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str
+    prompt_ids: list[int] = field(default_factory=list)  # what the model saw for this turn
 
 
 @dataclass
@@ -177,6 +178,12 @@ def summarize(runs: list[QuestionRun], key=lambda run: run.question.category, ba
 # -- losslessness ------------------------------------------------------------------------
 
 
+# logits. Measured on qwen2.5-coder-1.5b in bf16 (3 prompts x 24 positions, k = 4, 8, 16): a
+# k-token pass moves each logit by at most 0.25 from one-token steps, so the gap between two
+# tokens by at most 0.5; a smaller gap is a tie that rounding may flip
+NEAR_TIE = 0.5
+
+
 @dataclass(frozen=True)
 class Divergence:
     """Where a method's greedy tokens first differ from the baseline's."""
@@ -191,9 +198,16 @@ class Divergence:
     method_context: str = ""
     baseline_piece: str = ""  # the differing token, decoded
     method_piece: str = ""
+    # the full model's logit of the baseline token minus the method's, after the common
+    # prefix: a near-tie (see NEAR_TIE) is bf16 rounding of a batched pass, a clear one a bug
+    margin: float | None = None
+
+    @property
+    def near_tie(self) -> bool | None:
+        return None if self.margin is None else abs(self.margin) < NEAR_TIE
 
     def to_dict(self) -> dict:
-        return dict(vars(self))
+        return dict(vars(self), near_tie=self.near_tie)
 
 
 def first_divergence(reference: list[int], candidate: list[int]) -> tuple[int, int | None, int | None] | None:
@@ -242,12 +256,15 @@ class Lossless:
         }
 
 
-def compare_lossless(runs: list[QuestionRun], decode=None, baseline: str = BASELINE, context_tokens: int = 12) -> dict[str, Lossless]:
+def compare_lossless(
+    runs: list[QuestionRun], decode=None, baseline: str = BASELINE, context_tokens: int = 12, margin=None
+) -> dict[str, Lossless]:
     """Compare every method's tokens with the baseline's, question by question.
 
     Turns are compared in order; once a turn diverges the later turns had different prompts
     (each method continues its own conversation, as Spec-Bench does) and are not compared.
-    `decode(ids) -> str` renders the text around a divergence.
+    `decode(ids) -> str` renders the text around a divergence; `margin(prompt_ids, prefix,
+    a, b) -> float` gives the full model's logit gap between the two tokens there.
     """
     decode = decode or (lambda ids: " ".join(map(str, ids)))
     reference = {r.slot: r for r in runs if r.method == baseline}
@@ -276,6 +293,8 @@ def compare_lossless(runs: list[QuestionRun], decode=None, baseline: str = BASEL
                     run.question.question_id, run.question.category, t, pos, bt, mt,
                     decode(b.token_ids[lo : pos + context_tokens]), decode(m.token_ids[lo : pos + context_tokens]),
                     decode([bt]) if bt is not None else "<end>", decode([mt]) if mt is not None else "<end>",
+                    margin(b.prompt_ids, b.token_ids[:pos], bt, mt)
+                    if margin is not None and bt is not None and mt is not None and b.prompt_ids else None,
                 )
             )
             same = False

@@ -148,7 +148,9 @@ def _lossless_section(lossless: dict[str, Lossless], limit: int = 10) -> list[st
         for d in ll.divergences[:limit]:
             lines += [
                 f"- question {d.question_id} ({d.category}), turn {d.turn + 1}, token {d.position}: "
-                f"vanilla {d.baseline_token} `{_cell(d.baseline_piece)}` vs {m} {d.method_token} `{_cell(d.method_piece)}`",
+                f"vanilla {d.baseline_token} `{_cell(d.baseline_piece)}` vs {m} {d.method_token} `{_cell(d.method_piece)}`"
+                + (f"; logit margin {d.margin:+.3f} ({'near-tie: rounding' if d.near_tie else 'CLEAR: a bug'})"
+                   if d.margin is not None else ""),
                 f"  - vanilla: `{_cell(d.baseline_context)}`",
                 f"  - {m}: `{_cell(d.method_context)}`",
             ]

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from spirit.api import default_draft
 from spirit.bench.metrics import BASELINE, QuestionRun, TurnResult, compare_lossless, summarize
 from spirit.bench.questions import Block, Question
 from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
@@ -53,7 +54,7 @@ class SpiritMethod:
             from spirit.policies import REGISTRY, ModelInfo
 
             extra = {"skip": self.skip.validate(lm.num_layers)} if self.skip is not None else {}
-            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), DraftConfig(), **extra)
+            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), default_draft(self.name), **extra)
             return lm.generate(prompt, policy=policy, **kwargs)
         return lm.generate(prompt, **kwargs, **self._kwargs())
 
@@ -145,7 +146,9 @@ def answer(lm, runner: MethodRunner, question: Question, max_new_tokens: int) ->
     for text in question.turns:
         messages.append({"role": "user", "content": text})
         result = runner(lm, as_prompt(lm, messages), max_new_tokens, question.category)
-        turns.append(TurnResult(result.text, list(result.token_ids), result.stats, result.finish_reason))
+        prompt = as_prompt(lm, messages)
+        prompt_ids = lm.encode(prompt, chat=not isinstance(prompt, str))
+        turns.append(TurnResult(result.text, list(result.token_ids), result.stats, result.finish_reason, prompt_ids))
         messages.append({"role": "assistant", "content": result.text})
     return turns
 
@@ -163,6 +166,7 @@ class BenchResult:
     sol: dict | None = None
     elapsed_s: float = 0.0
     decode: Callable[[list[int]], str] | None = None
+    margin: Callable[[list[int], list[int], int, int], float] | None = None
 
     def by_category(self):
         return summarize(self.runs)
@@ -171,7 +175,7 @@ class BenchResult:
         return summarize(self.runs, key=lambda r: r.block) if self.blocks else {}
 
     def lossless(self):
-        return compare_lossless(self.runs, self.decode)
+        return compare_lossless(self.runs, self.decode, margin=self.margin)
 
 
 def run_bench(
@@ -245,6 +249,7 @@ def run_bench(
         },
         machine=machine_info(lm),
         decode=lambda ids: lm.tokenizer.decode(ids, skip_special_tokens=False),
+        margin=lm.logit_margin,
     )
     result.sol = vanilla_sol(lm, runs)
     result.elapsed_s = time.perf_counter() - t_start

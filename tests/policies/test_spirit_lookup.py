@@ -1,0 +1,63 @@
+"""The spirit policy with prompt lookup as a draft source it switches per window."""
+
+from sim import Landscape, prompts_of, run
+
+from spirit.policies.base import LookupPolicy, ModelInfo
+from spirit.policies.spirit import SpiritPolicy
+from spirit.skipset import DraftConfig
+
+L = 24
+
+
+def landscape(lookup_gain: float, skip_peak: float = 0.2, skip_gain: float = 0.2) -> Landscape:
+    """Lookup alone speeds decoding up by lookup_gain; layer skipping adds up to skip_gain
+    at skip_peak (single-peaked in the ratio); plain decoding is 1.0."""
+    def speedup(config: DraftConfig) -> float:
+        r = config.skip.ratio(L) if config.skip else 0.0
+        skip = max(-0.5, skip_gain * (1 - ((r - skip_peak) / skip_peak) ** 2)) if r > 0 else 0.0
+        if not config.speculative:
+            return 1.0
+        return (lookup_gain if config.ngram else 1.0) + skip
+    return Landscape(speedup=lambda skip: 1.0, config_speedup=speedup)
+
+
+def last_config(log, request: int) -> DraftConfig:
+    return log.configs_of(request)[-1]
+
+
+def test_settles_on_lookup_with_the_best_ratio_when_both_pay():
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    log = run(policy, landscape(1.3), prompts_of(0, 6), noise=0.01)
+    final = last_config(log, 5)
+    assert final.ngram
+    assert final.skip is not None and abs(final.skip.ratio(L) - 0.2) <= 0.05
+    assert policy.profile.lookup
+
+
+def test_settles_on_lookup_alone_when_skipping_costs():
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    log = run(policy, landscape(1.3, skip_gain=-0.4), prompts_of(0, 6), noise=0.01)
+    final = last_config(log, 5)
+    assert final.ngram and final.skip is None
+
+
+def test_falls_back_to_plain_decoding_when_lookup_is_slower():
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    log = run(policy, landscape(0.8, skip_gain=-0.4), prompts_of(0, 6), noise=0.01)
+    final = last_config(log, 5)
+    assert not final.speculative
+    assert not policy.profile.lookup
+
+
+def test_calibration_windows_are_plain_decoding():
+    # the speed model must be fit on plain windows: lookup windows are not plain
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    log = run(policy, landscape(1.3), prompts_of(0, 1))
+    assert not log.configs_of(0)[0].speculative
+    assert policy.speed.calibrated
+
+
+def test_lookup_policy_always_drafts_by_lookup_only():
+    policy = LookupPolicy(ModelInfo(L), DraftConfig(ngram_tokens=5))
+    config = policy.plan()
+    assert config.ngram and config.skip is None and config.ngram_tokens == 5 and config.speculative
