@@ -67,17 +67,17 @@ def test_lookup_alone_equals_vanilla(arch, prompt, n, ngram_tokens, branches):
     assert run(eng, prompt, n, policy) == run(eng, prompt, n, None)
 
 
-def test_trees_are_really_built_and_accepted_off_the_chain():
+def test_trees_are_really_built_and_accepted_off_the_chain(monkeypatch):
     """The branching path is exercised: some round accepts a leaf (a non-chain node), and
     the output still equals vanilla, so the KV of accepted leaves was moved into place."""
+    import spirit.engine as engine_module
+
     eng = engine("llama")
     prompt = list(range(30, 50))
     # skipping almost everything makes the draft's top-1 often wrong and its runner-up right
     skip = SkipSet(frozenset(range(1, LAYERS)), frozenset(range(1, LAYERS)))
     policy = StaticPolicy(ModelInfo(LAYERS), DraftConfig(max_draft=6, threshold=0.0, branches=4, branch_below=1.0), skip=skip)
     accepted_leaf = []
-    import spirit.engine as engine_module
-
     real_verify = engine_module.verify_tree_greedy
 
     def verify(tree, logits):
@@ -85,11 +85,9 @@ def test_trees_are_really_built_and_accepted_off_the_chain():
         accepted_leaf.append(any(node != j + 1 for j, node in enumerate(verdict.path)))
         return verdict
 
-    engine_module.verify_tree_greedy = verify
-    try:
-        out = run(eng, prompt, 64, policy)
-    finally:
-        engine_module.verify_tree_greedy = real_verify
+    monkeypatch.setattr(engine_module, "verify_tree_greedy", verify)
+    out = run(eng, prompt, 64, policy)
+    monkeypatch.undo()
     assert any(accepted_leaf), "no round accepted a branch: the tree path is not tested"
     assert out == run(eng, prompt, 64, None)
 
