@@ -24,7 +24,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import spirit
-from spirit.api import SPIRIT_DRAFT
 from spirit.bench.metrics import NEAR_TIE, first_divergence
 from spirit.bench.questions import load_questions, select
 from spirit.policies.spirit import prior_order
@@ -41,7 +40,7 @@ def variants(lm, ratio: float, vocab: int, branches: int) -> dict[str, dict]:
         "skip+vocab+tree": dict(static, draft=DraftConfig(draft_vocab=vocab, branches=branches)),
         "lookup": dict(method="lookup"),
         "lookup+skip+vocab+tree": dict(static, draft=DraftConfig(ngram=True, draft_vocab=vocab, branches=branches)),
-        "spirit": dict(method="spirit", draft=SPIRIT_DRAFT),
+        "spirit": dict(method="spirit"),
     }
 
 

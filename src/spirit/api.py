@@ -298,14 +298,10 @@ class Spirit:
 
 
 def default_draft(method: str) -> DraftConfig:
-    """The drafting knobs a method runs with unless told otherwise: SWIFT's chain defaults
-    for the baselines; for `spirit` every lever that measured faster (docs/benchmarks/)."""
-    if method == "spirit":
-        return SPIRIT_DRAFT
-    return DraftConfig()
-
-
-SPIRIT_DRAFT = DraftConfig(ngram=True, draft_vocab=32768, branches=2)
+    """The drafting knobs a method runs with unless told otherwise (its policy's
+    `default_draft`; "hf" and unknown names get DraftConfig(), unknown ones fail later)."""
+    factory = REGISTRY.factories.get(method)
+    return getattr(factory, "default_draft", DraftConfig())
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

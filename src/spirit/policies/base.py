@@ -35,6 +35,9 @@ class Policy(ABC):
     name: ClassVar[str] = ""
     # tokens generated per window; a policy may change it between windows
     window_tokens: int = 32
+    # the drafting knobs this method runs with unless the caller sets them: SWIFT's chain
+    # defaults, no lookup, full draft head (the baselines are faithful reimplementations)
+    default_draft: ClassVar[DraftConfig] = DraftConfig()
 
     def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig()) -> None:
         self.model = model
