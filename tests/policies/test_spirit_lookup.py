@@ -14,7 +14,8 @@ def landscape(lookup_gain: float, skip_peak: float = 0.2, skip_gain: float = 0.2
     at skip_peak (single-peaked in the ratio); plain decoding is 1.0."""
     def speedup(config: DraftConfig) -> float:
         r = config.skip.ratio(L) if config.skip else 0.0
-        skip = max(-0.5, skip_gain * (1 - ((r - skip_peak) / skip_peak) ** 2)) if r > 0 else 0.0
+        # single-peaked in the ratio, as the policy assumes (a negative gain: every ratio costs)
+        skip = max(-0.5, skip_gain - abs(skip_gain) * ((r - skip_peak) / skip_peak) ** 2) if r > 0 else 0.0
         if not config.speculative:
             return 1.0
         return (lookup_gain if config.ngram else 1.0) + skip
@@ -61,3 +62,13 @@ def test_lookup_policy_always_drafts_by_lookup_only():
     policy = LookupPolicy(ModelInfo(L), DraftConfig(ngram_tokens=5))
     config = policy.plan()
     assert config.ngram and config.skip is None and config.ngram_tokens == 5 and config.speculative
+
+
+def test_a_search_runs_the_best_so_far_between_two_trials():
+    # short requests: a search that ran trials back to back would spend whole requests on them
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    run(policy, landscape(1.3), prompts_of(0, 8), tokens=64, noise=0.01)
+    kinds = [h["trial"] for h in policy.history]
+    trials = ("ratio", "pattern")
+    assert "best" in kinds and "pattern" in kinds
+    assert not any(a in trials and b in trials for a, b in zip(kinds, kinds[1:]))

@@ -4,11 +4,16 @@ Per recognized task (a profile), the policy searches in two stages and then expl
 
 1. *Ratio.* The fraction of sublayers skipped is the first-order knob. It measures a coarse
    grid of ratios (0 included: plain decoding, so it never settles on something slower than
-   vanilla), one window each, then refines around the best by half a grid step.
+   vanilla), one window each, outwards from the middle, then refines around the best by half
+   a grid step.
 2. *Pattern.* At the chosen ratio it tries a few swaps of which sublayers are skipped (one
    skipped sublayer out, a highly ranked kept one in), keeping a swap only if it is faster by
    a noise margin. The ranking of sublayers ("skip these first") is shared by all tasks and
    learns from every accepted swap.
+   Searching costs only every other window: between two trials it runs the best configuration
+   measured so far (plain decoding if nothing beat it yet), which also re-measures it. Most
+   requests are short (a 64-token answer is three windows), so a search spread this way over
+   several requests costs far less than one that spends whole requests on trials.
 3. *Exploit.* It runs the incumbent, refreshes the plain-decoding speed model now and then,
    and re-searches (around the incumbent) if normalized speed leaves its recent range.
 
@@ -29,7 +34,8 @@ from spirit.policies.speed_model import SpeedModel, window_context
 from spirit.skipset import DraftConfig, SkipSet, sublayer_ids
 from spirit.stats import WindowStats
 
-RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)  # plain decoding first: it also calibrates the speed model
+RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)
+PRIOR_RATIO = 0.2  # the first task measures the grid outwards from its middle
 REFINE_STEP = 0.05
 MAX_RATIO = 0.6
 PATTERN_TRIALS = 4  # swaps tried per search
@@ -55,7 +61,7 @@ def prior_order(num_layers: int) -> list[tuple[str, int]]:
 
 @dataclass
 class TaskProfile:
-    pending: list[float] = field(default_factory=lambda: list(RATIO_GRID))  # ratios left to measure
+    pending: list[float] = field(default_factory=lambda: first_grid())  # ratios left to measure
     ratio_scores: dict[str, list[float]] = field(default_factory=dict)  # "0.20" -> normalized speeds
     stage: str = "ratio"  # ratio -> pattern -> exploit
     refined: bool = False
@@ -69,10 +75,21 @@ class TaskProfile:
     inherited: list[list] | None = None  # the neighbour's pattern this profile started from
     lookup: bool = False  # whether the incumbent drafts by prompt lookup first
     exploited: int = 0  # exploit windows since the last search
+    owe_best: bool = False  # the last window was a trial: the next runs the best so far
+
+
+def first_grid() -> list[float]:
+    """The grid in the order a first search measures it: nearest the prior ratio first, so
+    the early windows (which also serve the first requests) run likely-good ratios."""
+    return sorted(RATIO_GRID, key=lambda r: (abs(r - PRIOR_RATIO), r))
 
 
 def _key(ratio: float) -> str:
     return f"{ratio:.2f}"
+
+
+def _means(p: TaskProfile) -> dict[float, float]:
+    return {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
 
 
 class SpiritPolicy(Policy):
@@ -128,6 +145,9 @@ class SpiritPolicy(Policy):
             if not p.pending:
                 self._finish_ratio_stage(p)
                 return self.plan()
+            means = _means(p)
+            if p.owe_best and means:
+                return self._run_best(means)
             ratio = p.pending[0]
             self.trial = ("ratio", ratio)
             return self.config(self._skipset(self.pattern_for(ratio)), ngram=self.lookup)
@@ -135,8 +155,11 @@ class SpiritPolicy(Policy):
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
                 return self.plan()
-            candidate = self._swap([tuple(s) for s in p.skip])
+            candidate = self._swap([tuple(s) for s in p.skip]) if not p.owe_best else None
             if candidate is None:
+                if p.owe_best:  # between two swaps, the incumbent
+                    self.trial = ("exploit", None)
+                    return self.config(self._skipset([tuple(s) for s in p.skip]), ngram=p.lookup)
                 p.stage = "exploit"
                 return self.plan()
             self.trial = ("pattern", candidate)
@@ -156,13 +179,23 @@ class SpiritPolicy(Policy):
         self.trial = ("exploit", None)
         return self.config(self._skipset([tuple(s) for s in p.skip] if p.skip else None), ngram=p.lookup)
 
+    def _run_best(self, means: dict[float, float]) -> DraftConfig:
+        """The best ratio measured so far in this search; plain decoding (1.0 by definition)
+        when nothing measured beats it."""
+        best = max(means, key=lambda r: (means[r], -r))
+        if means[best] < 1.0 or (best == 0.0 and not self.lookup):
+            self.trial = ("plain", None)
+            return self.config(None)
+        self.trial = ("best", best)
+        return self.config(self._skipset(self.pattern_for(best)), ngram=self.lookup)
+
     def _plain_scores(self) -> dict[str, list[float]]:
         """Grid scores known without measuring: without lookup, ratio 0 is plain decoding,
         1.0 by definition once calibrated; with lookup, ratio 0 is lookup alone (unknown)."""
         return {} if self.lookup else {_key(0.0): [1.0]}
 
     def _finish_ratio_stage(self, p: TaskProfile) -> None:
-        means = {float(k): sum(v) / len(v) for k, v in p.ratio_scores.items() if v}
+        means = _means(p)
         best = max(means, key=lambda r: (means[r], -r)) if means else 0.0
         tried = [r for r in means if r > 0]
         step = RATIO_GRID[1]
@@ -224,6 +257,9 @@ class SpiritPolicy(Policy):
         if base.stage == "ratio" and not base.ratio_scores:
             return profile
         r = base.ratio
+        if base.stage == "ratio":  # the neighbour is still searching: its best so far
+            means = _means(base)
+            r = max(means, key=lambda x: (means[x], -x))
         profile.ratio_scores = self._plain_scores()
         if r == 0.0 and base.stage == "exploit" and not base.lookup:
             # the nearest task found nothing faster than plain decoding: start there, and
@@ -255,7 +291,10 @@ class SpiritPolicy(Policy):
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
         if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.lookup:
             kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
-        if kind == "ratio":
+        # a speculative trial is followed by a window of the best so far; a plain window that
+        # stands for ratio 0 (no lookup) is itself the best-known speed
+        p.owe_best = kind in ("ratio", "pattern") and stats.config.speculative
+        if kind in ("ratio", "best"):
             p.ratio_scores.setdefault(_key(arg), []).append(score)
             if arg in p.pending:
                 p.pending.remove(arg)
