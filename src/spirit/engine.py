@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spirit.drafts.layerskip import draft_layerskip
-from spirit.drafts.ngram import NgramIndex
+from spirit.drafts.ngram import STRONG_MATCH, NgramIndex
 from spirit.drafts.tree import MAX_NODES, DraftTree
 from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
@@ -212,9 +212,12 @@ class Engine:
     def _propose(
         self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters
     ) -> DraftTree:
-        """Prompt lookup first (free); the skipping model only when lookup finds nothing."""
+        """Prompt lookup first (free); the skipping model only when lookup finds nothing.
+        With a skip draft on offer, a one-token match is left to it: the policy measures
+        which of the two pays (lookup alone is the ratio-0 arm)."""
         if config.ngram:
-            tree = lookup.propose(ids, min(config.ngram_tokens, limit), config.branches)
+            shortest = STRONG_MATCH if config.skip is not None else None
+            tree = lookup.propose(ids, min(config.ngram_tokens, limit), config.branches, shortest=shortest)
             if tree.drafted:
                 counters.lookup_rounds += 1
                 return tree

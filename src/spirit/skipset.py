@@ -119,7 +119,8 @@ class DraftConfig:
 
     `skip=None` and `ngram=False` mean plain decoding (no drafts). With `ngram`, a round
     first looks the recent text up in the prompt and the text generated so far (free to
-    draft); only when that finds nothing does it draft with the skipping model (if `skip`).
+    draft); with `skip` too, a round whose lookup finds no match of at least two tokens
+    drafts with the skipping model instead.
     """
 
     skip: SkipSet | None = None
@@ -130,11 +131,11 @@ class DraftConfig:
     # A candidate skip set whose teacher-forced top-1 agreement with the committed text the
     # engine should measure during the window (SWIFT's "matchness"); costs one draft pass.
     probe: SkipSet | None = None
-    # Prompt-lookup drafts (drafts/ngram.py); at most `ngram_tokens` per round, because on a
-    # CPU verifying k tokens costs about 1 + 0.035k plain steps (measured on qwen2.5-1.5b in
-    # bf16), so a long wrong guess is not free.
+    # Prompt-lookup drafts (drafts/ngram.py); at most `ngram_tokens` per round (and fewer
+    # after a short match), because on a CPU verifying k tokens costs about 1 + 0.03k plain
+    # steps (measured on qwen2.5-1.5b in bf16), so a long wrong guess is not free.
     ngram: bool = False
-    ngram_tokens: int = 8
+    ngram_tokens: int = 10
     # 0: the draft scores the whole vocabulary; N: only the N most frequent tokens
     # (drafts/vocab.py), so drafting reads N/V of the lm_head. Verification always uses all.
     draft_vocab: int = 0

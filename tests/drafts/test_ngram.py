@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spirit.drafts.ngram import MAX_N, MIN_N, OCCURRENCES, NgramIndex
+from spirit.drafts.ngram import DRAFT_LENGTH, MAX_N, MIN_N, OCCURRENCES, NgramIndex
 from spirit.drafts.tree import MAX_NODES, DraftTree
 
 
@@ -12,7 +12,7 @@ def shape(tree: DraftTree) -> tuple[list[int], list[int]]:
     return tree.tokens, tree.parents
 
 
-def reference(ids, max_tokens, branches, max_n=MAX_N, min_n=MIN_N):
+def reference(ids, max_tokens, branches, max_n=MAX_N, min_n=MIN_N, lengths=DRAFT_LENGTH):
     """Brute force: scan the whole sequence for the longest earlier occurrence of a suffix."""
     tree = DraftTree(ids[-1])
     for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
@@ -21,9 +21,10 @@ def reference(ids, max_tokens, branches, max_n=MAX_N, min_n=MIN_N):
         ends = [end for end in range(n, len(ids)) if ids[end - n:end] == suffix]
         if not ends:
             continue
+        length = min(max_tokens, (lengths or {}).get(n, max_tokens))
         for start in reversed(ends[-OCCURRENCES:][-branches:]):
             node = 0
-            for token in ids[start:start + max_tokens]:
+            for token in ids[start:start + length]:
                 found = tree.child(node, token)
                 if found is None and tree.full:
                     break
@@ -59,11 +60,27 @@ def test_branches_sharing_a_prefix_merge_into_a_trie():
     assert shape(NgramIndex().propose(same, 3, branches=3)) == ([2, 5, 6, 0], [-1, 0, 1, 2])
 
 
-@pytest.mark.parametrize("ids", [[4], [1, 2, 3, 4], [5, 1, 5], [7, 7]])
+@pytest.mark.parametrize("ids", [[4], [1, 2, 3, 4]])
 def test_no_match_gives_a_root_only_tree(ids):
-    # [5, 1, 5] and [7, 7]: a single repeated token is below MIN_N, not a match
     tree = NgramIndex().propose(ids, 8, branches=3)
     assert tree.tokens == [ids[-1]] and tree.drafted == 0
+
+
+def test_a_one_token_match_is_a_one_token_guess_unless_a_longer_match_is_required():
+    ids = [5, 1, 2, 5]
+    assert NgramIndex().propose(ids, 8).tokens == [5, 1]  # DRAFT_LENGTH[1] == 1
+    assert NgramIndex().propose(ids, 8, shortest=2).drafted == 0
+    assert NgramIndex(lengths=None).propose(ids, 8).tokens == [5, 1, 2, 5]
+    with pytest.raises(ValueError):
+        NgramIndex(min_n=2).propose(ids, 8, shortest=1)
+
+
+def test_draft_length_grows_with_the_match_length():
+    text = list(range(100, 120))
+    for n in range(1, MAX_N + 1):
+        ids = text + [0] + text[:n]  # the last n tokens occurred once before, then 19 more
+        tree = NgramIndex().propose(ids, 16)
+        assert tree.drafted == DRAFT_LENGTH[n] and tree.tokens[1:] == text[n : n + DRAFT_LENGTH[n]]
 
 
 def test_the_current_suffix_is_not_its_own_match():
@@ -74,7 +91,7 @@ def test_the_current_suffix_is_not_its_own_match():
 def test_max_tokens_is_respected():
     ids = list(range(20)) + [0, 1]
     for k in (1, 3, 7):
-        tree = NgramIndex().propose(ids, k)
+        tree = NgramIndex(lengths=None).propose(ids, k)
         assert tree.tokens == [1] + list(range(2, 2 + k)) and tree.is_chain()
 
 
@@ -94,7 +111,7 @@ def test_the_tree_stops_at_max_nodes():
     for b in range(4):
         ids += [1, 2] + [100 + 40 * b + i for i in range(40)]
     ids += [1, 2]
-    tree = NgramIndex().propose(ids, 40, branches=4)
+    tree = NgramIndex(lengths=None).propose(ids, 40, branches=4)
     assert tree.size == MAX_NODES and tree.full
     newest = [100 + 40 * 3 + i for i in range(40)]
     assert tree.tokens[1:41] == newest and tree.parents[1:41] == list(range(40))  # kept whole

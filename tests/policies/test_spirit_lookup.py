@@ -72,3 +72,20 @@ def test_a_search_runs_the_best_so_far_between_two_trials():
     trials = ("ratio", "pattern")
     assert "best" in kinds and "pattern" in kinds
     assert not any(a in trials and b in trials for a, b in zip(kinds, kinds[1:]))
+
+
+def test_with_lookup_the_first_search_measures_lookup_alone_first():
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    run(policy, landscape(1.3), prompts_of(0, 2), noise=0.01)
+    first_trial = next(h for h in policy.history if h["trial"] == "ratio")
+    assert first_trial["ratio"] == 0.0
+
+
+def test_a_new_task_inherits_lookup_alone_without_a_trial_on_arrival():
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
+    log = run(policy, landscape(1.3, skip_gain=-0.4), prompts_of(0, 6), noise=0.01)
+    assert last_config(log, 5).skip is None and policy.profile.lookup
+    log = run(policy, landscape(1.3, skip_gain=-0.4), prompts_of(1, 3), noise=0.01, log=log)
+    assert len(policy.profiles) >= 2 and all(p.lookup for p in policy.profiles)
+    arrivals = [c for r in (6, 7, 8) for c in log.configs_of(r) if c.speculative]
+    assert arrivals and all(c.ngram and c.skip is None for c in arrivals)

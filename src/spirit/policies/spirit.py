@@ -4,8 +4,8 @@ Per recognized task (a profile), the policy searches in two stages and then expl
 
 1. *Ratio.* The fraction of sublayers skipped is the first-order knob. It measures a coarse
    grid of ratios (0 included: plain decoding, so it never settles on something slower than
-   vanilla), one window each, outwards from the middle, then refines around the best by half
-   a grid step.
+   vanilla), one window each, outwards from a prior (the middle; with prompt lookup, ratio 0,
+   lookup alone), then refines around the best by half a grid step.
 2. *Pattern.* At the chosen ratio it tries a few swaps of which sublayers are skipped (one
    skipped sublayer out, a highly ranked kept one in), keeping a swap only if it is faster by
    a noise margin. The ranking of sublayers ("skip these first") is shared by all tasks and
@@ -35,7 +35,11 @@ from spirit.skipset import DraftConfig, SkipSet, sublayer_ids
 from spirit.stats import WindowStats
 
 RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)
-PRIOR_RATIO = 0.2  # the first task measures the grid outwards from its middle
+# The first task measures the grid outwards from a prior ratio: its middle without lookup;
+# with lookup, ratio 0 (lookup alone, no draft pass at all), which measured fastest on this
+# project's CPU (docs/benchmarks/), and upwards from there.
+PRIOR_RATIO = 0.2
+PRIOR_RATIO_LOOKUP = 0.0
 REFINE_STEP = 0.05
 MAX_RATIO = 0.6
 PATTERN_TRIALS = 4  # swaps tried per search
@@ -61,7 +65,7 @@ def prior_order(num_layers: int) -> list[tuple[str, int]]:
 
 @dataclass
 class TaskProfile:
-    pending: list[float] = field(default_factory=lambda: first_grid())  # ratios left to measure
+    pending: list[float] = field(default_factory=lambda: first_grid(PRIOR_RATIO))  # ratios left to measure
     ratio_scores: dict[str, list[float]] = field(default_factory=dict)  # "0.20" -> normalized speeds
     stage: str = "ratio"  # ratio -> pattern -> exploit
     refined: bool = False
@@ -78,10 +82,10 @@ class TaskProfile:
     owe_best: bool = False  # the last window was a trial: the next runs the best so far
 
 
-def first_grid() -> list[float]:
+def first_grid(prior: float) -> list[float]:
     """The grid in the order a first search measures it: nearest the prior ratio first, so
     the early windows (which also serve the first requests) run likely-good ratios."""
-    return sorted(RATIO_GRID, key=lambda r: (abs(r - PRIOR_RATIO), r))
+    return sorted(RATIO_GRID, key=lambda r: (abs(r - prior), r))
 
 
 def _key(ratio: float) -> str:
@@ -166,11 +170,16 @@ class SpiritPolicy(Policy):
             return self.config(self._skipset(candidate), ngram=p.lookup)
         # exploit
         self.window_tokens = EXPLOIT_WINDOW
-        if not p.skip and not p.lookup and p.exploited >= REPROBE_EVERY:
-            # settled on plain decoding: now and then check whether speculation pays now
-            # (longer contexts, another machine state); one window of regret per REPROBE_EVERY
+        if not p.skip and p.exploited >= REPROBE_EVERY:
+            # settled on plain decoding or lookup alone: now and then check whether skipping
+            # pays now (longer contexts, another machine state); one window of regret per
+            # REPROBE_EVERY (two when lookup alone, not yet tried, may beat plain decoding)
             p.exploited, p.stage, p.refined = 0, "ratio", False
-            p.ratio_scores, p.pending = self._plain_scores(), [RATIO_GRID[1]]
+            if p.lookup:
+                p.ratio_scores, p.pending = {_key(0.0): [p.score]}, [RATIO_GRID[1]]
+            else:
+                p.ratio_scores = self._plain_scores()
+                p.pending = [RATIO_GRID[1]] if not self.lookup else [0.0, RATIO_GRID[1]]
             return self.plan()
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
         if (p.skip or p.lookup) and stale:
@@ -250,7 +259,7 @@ class SpiritPolicy(Policy):
         """A new task starts from its nearest known task's configuration and searches
         locally around it (tasks often agree, and prompt features are only a hint); the
         very first task searches the whole grid."""
-        profile = TaskProfile()
+        profile = TaskProfile(pending=first_grid(PRIOR_RATIO_LOOKUP if self.lookup else PRIOR_RATIO))
         if nearest is None or not self.speed.calibrated:
             return profile
         base = self.profiles[nearest]
@@ -261,10 +270,12 @@ class SpiritPolicy(Policy):
             means = _means(base)
             r = max(means, key=lambda x: (means[x], -x))
         profile.ratio_scores = self._plain_scores()
-        if r == 0.0 and base.stage == "exploit" and not base.lookup:
-            # the nearest task found nothing faster than plain decoding: start there, and
-            # check the smallest ratio after a few windows rather than at once
+        if r == 0.0 and base.stage == "exploit":
+            # the nearest task found nothing faster than plain decoding, or than lookup
+            # alone: start there, and check the smallest ratio after a few windows rather
+            # than at once (a trial costs a window, and most requests are a few windows long)
             profile.stage, profile.pending = "exploit", []
+            profile.lookup, profile.score = base.lookup, base.score if base.lookup else 1.0
             profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
             return profile
         around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
