@@ -89,3 +89,12 @@ def test_a_new_task_inherits_lookup_alone_without_a_trial_on_arrival():
     assert len(policy.profiles) >= 2 and all(p.lookup for p in policy.profiles)
     arrivals = [c for r in (6, 7, 8) for c in log.configs_of(r) if c.speculative]
     assert arrivals and all(c.ngram and c.skip is None for c in arrivals)
+
+
+def test_a_larger_ratio_must_beat_every_smaller_one_by_the_margin():
+    from spirit.policies.spirit import MARGIN, _best_ratio
+
+    assert _best_ratio({0.0: 1.40, 0.1: 1.40 * (1 + MARGIN / 2)}) == 0.0  # a near-tie: skip less
+    assert _best_ratio({0.0: 1.40, 0.1: 1.40 * (1 + 2 * MARGIN)}) == 0.1
+    assert _best_ratio({0.0: 1.0, 0.1: 1.2, 0.2: 1.21, 0.3: 1.5}) == 0.3
+    assert _best_ratio({0.1: 0.9, 0.2: 0.8}) == 0.1
