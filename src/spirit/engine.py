@@ -212,8 +212,8 @@ class Engine:
     def _propose(
         self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters
     ) -> DraftTree:
-        """Prompt lookup first (free); the skipping model only when lookup finds nothing.
-        With a skip draft on offer, a one-token match is left to it: the policy measures
+        """Prompt lookup first (free); the skipping model when lookup finds no match (with a
+        skip draft on offer, no match of STRONG_MATCH tokens): the policy measures
         which of the two pays (lookup alone is the ratio-0 arm)."""
         if config.ngram:
             shortest = STRONG_MATCH if config.skip is not None else None
