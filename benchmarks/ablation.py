@@ -9,6 +9,9 @@ Variants (all greedy, checked token by token against plain decoding in the same 
   skip+vocab+tree      ... with runner-up leaves where the draft is unsure (--branches)
   lookup               prompt-lookup drafts alone (no model pass to draft)
   lookup+skip+...      lookup first, layer-skip (all levers) when lookup finds nothing
+  int8/int4+...        no sublayer skipped, the draft's MLPs quantized (--ratio's skip for
+                       int4+skip); @t0.5: drafting stops below top-1 probability 0.5, not 0.8;
+                       vocab/2: a draft head of half the --vocab tokens
   spirit               the spirit policy with every lever, adapting online across the run
 Order: a warm-up of every variant, then question by question every variant in turn, so drift
 hits all alike. Prints a table (speed is tokens/s over the whole request, prefill included,
@@ -27,7 +30,7 @@ import spirit
 from spirit.bench.metrics import NEAR_TIE, first_divergence
 from spirit.bench.questions import load_questions, select
 from spirit.policies.spirit import prior_order
-from spirit.skipset import DraftConfig, skipset_from_sublayers
+from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
 
 
 def variants(lm, ratio: float, vocab: int, branches: int) -> dict[str, dict]:
@@ -40,6 +43,20 @@ def variants(lm, ratio: float, vocab: int, branches: int) -> dict[str, dict]:
         "skip+vocab+tree": dict(static, draft=DraftConfig(draft_vocab=vocab, branches=branches)),
         "lookup": dict(method="lookup"),
         "lookup+skip+vocab+tree": dict(static, draft=DraftConfig(ngram=True, draft_vocab=vocab, branches=branches)),
+        # quantized drafts: every sublayer kept, MLPs at int8 / int4 (drafts/quantized.py)
+        "int8+vocab": dict(method="static", skip=SkipSet(), draft=DraftConfig(draft_bits=8, draft_vocab=vocab)),
+        "int4+vocab": dict(method="static", skip=SkipSet(), draft=DraftConfig(draft_bits=4, draft_vocab=vocab)),
+        "int4+vocab@t0.5": dict(method="static", skip=SkipSet(),
+                                draft=DraftConfig(draft_bits=4, draft_vocab=vocab, threshold=0.5)),
+        "int4+vocab+tree@t0.5": dict(method="static", skip=SkipSet(), draft=DraftConfig(
+            draft_bits=4, draft_vocab=vocab, threshold=0.5, branches=branches)),
+        "lookup+int4+vocab@t0.5": dict(method="static", skip=SkipSet(), draft=DraftConfig(
+            ngram=True, draft_bits=4, draft_vocab=vocab, threshold=0.5)),
+        "int4+skip+vocab@t0.5": dict(static, draft=DraftConfig(draft_bits=4, draft_vocab=vocab, threshold=0.5)),
+        "int4+vocab@t0.3": dict(method="static", skip=SkipSet(),
+                                draft=DraftConfig(draft_bits=4, draft_vocab=vocab, threshold=0.3)),
+        "int4+vocab/2@t0.5": dict(method="static", skip=SkipSet(),
+                                  draft=DraftConfig(draft_bits=4, draft_vocab=vocab // 2, threshold=0.5)),
         "spirit": dict(method="spirit"),
     }
 

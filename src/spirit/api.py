@@ -13,6 +13,7 @@ Policies are created once per method and kept, so that successive requests to th
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -117,6 +118,21 @@ class TextStream:
         self.result = GenerationResult(emitted, ids, stats, finish, self._request.method)
 
 
+def _quantized_cache(loaded: LoadedModel) -> Path | None:
+    """Where this model's quantized draft MLPs are kept: named by what they are computed
+    from (the weight files, as path, size and time; the dtype; the torch version, whose
+    kernels define the packed int4 format), so a changed model or torch gets new ones."""
+    from spirit.model.bundled import cache_root
+
+    files = sorted(loaded.folder.glob("*.safetensors")) + sorted(loaded.folder.glob("*.bin"))
+    if not files:
+        return None
+    key = [str(loaded.folder.resolve()), str(loaded.dtype), torch.__version__]
+    key += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    return cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
@@ -130,7 +146,7 @@ class Spirit:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.model = SkippableModel(loaded.hf_model)
-        self.engine = Engine(self.model, max_context)
+        self.engine = Engine(self.model, max_context, quantized_cache=_quantized_cache(loaded))
         self.eos_token_ids = _eos_ids(loaded)
         self._policies: dict[tuple, Policy] = {}
 

@@ -41,13 +41,16 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default=None, help="skip set for --method static, e.g. 'attn:4,9;mlp:4,9,12'")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-draft", type=int, default=25, help="most tokens drafted per round (SWIFT: 25)")
-    p.add_argument("--threshold", type=float, default=0.8, help="stop drafting below this top-1 probability (SWIFT: 0.8)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="stop drafting below this top-1 probability (default: 0.5 for spirit, SWIFT's 0.8 otherwise)")
     p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt-lookup drafts first (default: on for spirit, off for the baselines)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft scores only the N most frequent tokens; 0 = all (default: 32768 for spirit, 0 otherwise)")
     p.add_argument("--branches", type=int, default=None,
                    help="token-tree leaves per unsure draft position, 1 = chains (default: 2 for spirit, 1 otherwise)")
+    p.add_argument("--draft-bits", type=int, default=None, choices=(0, 4, 8),
+                   help="the draft's MLP weights at 4 or 8 bits, 0 = the model's own (default: 4 for spirit, 0 otherwise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -114,8 +117,9 @@ def draft_config(args: argparse.Namespace):
 
     from spirit.api import default_draft
 
-    given = dict(ngram=args.ngram, draft_vocab=args.draft_vocab, branches=args.branches)
-    return replace(default_draft(args.method), max_draft=args.max_draft, threshold=args.threshold,
+    given = dict(ngram=args.ngram, draft_vocab=args.draft_vocab, branches=args.branches, threshold=args.threshold,
+                 draft_bits=args.draft_bits)
+    return replace(default_draft(args.method), max_draft=args.max_draft,
                    **{k: v for k, v in given.items() if v is not None})
 
 

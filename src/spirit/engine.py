@@ -20,11 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from spirit.drafts.layerskip import draft_layerskip
 from spirit.drafts.ngram import STRONG_MATCH, NgramIndex
+from spirit.drafts.quantized import QuantizedMLPs
 from spirit.drafts.tree import MAX_NODES, DraftTree
 from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
@@ -62,13 +64,27 @@ class _Window:
 
 
 class Engine:
-    def __init__(self, model: SkippableModel, max_context: int | None = None) -> None:
+    def __init__(self, model: SkippableModel, max_context: int | None = None, quantized_cache: Path | None = None) -> None:
         self.model = model
         self.max_context = max_context or model.shape.max_positions
         self._requests = 0
         # reduced-vocabulary draft heads and the token frequencies they come from, learned
         # from every request this engine serves
         self.heads = DraftHeads(model.lm_head.weight)
+        self._quantized: dict[int, QuantizedMLPs] = {}  # draft bits -> the MLPs at those bits
+        self.quantized_cache = quantized_cache  # where quantized MLPs are kept: "<it>-int4.pt"
+
+    def quantized_mlps(self, bits: int) -> QuantizedMLPs | None:
+        """The model's MLPs quantized to `bits` for drafts (None for 0), on first use: built
+        (~15 s for int4 of a 1.5b model on 2 cores) or loaded from `quantized_cache`."""
+        if not bits:
+            return None
+        if bits not in self._quantized:
+            path = None
+            if self.quantized_cache is not None:
+                path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}.pt")
+            self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path)
+        return self._quantized[bits]
 
     @property
     def info(self) -> ModelInfo:
@@ -224,7 +240,8 @@ class Engine:
         if config.skip is None:
             return DraftTree(ids[-1])
         head = self.heads.head(config.draft_vocab)
-        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head)
+        mlps = self.quantized_mlps(config.draft_bits)
+        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head, mlps)
 
     def _probe(self, ids: list[int], cache, skip: SkipSet, counters: Counters) -> float | None:
         """Teacher-forced top-1 agreement of `skip` with the last committed tokens.

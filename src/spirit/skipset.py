@@ -144,8 +144,14 @@ class DraftConfig:
     # same pass (drafts/tree.py).
     branches: int = 1
     branch_below: float = 0.9
+    # 0: the draft runs the model's own MLP weights. 8 or 4: weight-only quantized copies of
+    # them (drafts/quantized.py), so a draft pass reads a half or a quarter of the MLP bytes.
+    # With no sublayer to skip, `skip=SkipSet()` and draft_bits > 0 is the quantized draft.
+    draft_bits: int = 0
 
     def __post_init__(self) -> None:
+        if self.draft_bits not in (0, 4, 8):
+            raise ValueError(f"draft_bits must be 0 (full precision), 8 or 4, got {self.draft_bits}")
         if self.max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         if self.ngram_tokens < 1:
@@ -165,6 +171,8 @@ class DraftConfig:
         parts = [f"ratio={self.skip.ratio(num_layers):.2f} {self.skip}"] if self.skip is not None else []
         if self.ngram:
             parts.append(f"ngram={self.ngram_tokens}")
+        if self.skip is not None and self.draft_bits:
+            parts.append(f"int{self.draft_bits}")
         if self.skip is not None and self.draft_vocab:
             parts.append(f"vocab={self.draft_vocab}")
         if self.skip is not None and self.branches > 1:

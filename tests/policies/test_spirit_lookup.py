@@ -32,7 +32,7 @@ def test_settles_on_lookup_with_the_best_ratio_when_both_pay():
     final = last_config(log, 5)
     assert final.ngram
     assert final.skip is not None and abs(final.skip.ratio(L) - 0.2) <= 0.05
-    assert policy.profile.lookup
+    assert policy.profile.drafting
 
 
 def test_settles_on_lookup_alone_when_skipping_costs():
@@ -47,7 +47,7 @@ def test_falls_back_to_plain_decoding_when_lookup_is_slower():
     log = run(policy, landscape(0.8, skip_gain=-0.4), prompts_of(0, 6), noise=0.01)
     final = last_config(log, 5)
     assert not final.speculative
-    assert not policy.profile.lookup
+    assert not policy.profile.drafting
 
 
 def test_calibration_windows_are_plain_decoding():
@@ -84,9 +84,9 @@ def test_with_lookup_the_first_search_measures_lookup_alone_first():
 def test_a_new_task_inherits_lookup_alone_without_a_trial_on_arrival():
     policy = SpiritPolicy(ModelInfo(L), DraftConfig(ngram=True))
     log = run(policy, landscape(1.3, skip_gain=-0.4), prompts_of(0, 6), noise=0.01)
-    assert last_config(log, 5).skip is None and policy.profile.lookup
+    assert last_config(log, 5).skip is None and policy.profile.drafting
     log = run(policy, landscape(1.3, skip_gain=-0.4), prompts_of(1, 3), noise=0.01, log=log)
-    assert len(policy.profiles) >= 2 and all(p.lookup for p in policy.profiles)
+    assert len(policy.profiles) >= 2 and all(p.drafting for p in policy.profiles)
     arrivals = [c for r in (6, 7, 8) for c in log.configs_of(r) if c.speculative]
     assert arrivals and all(c.ngram and c.skip is None for c in arrivals)
 

@@ -54,7 +54,9 @@ class SpiritMethod:
             from spirit.policies import REGISTRY, ModelInfo
 
             extra = {"skip": self.skip.validate(lm.num_layers)} if self.skip is not None else {}
-            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), default_draft(self.name), **extra)
+            draft = default_draft(self.name)
+            lm.engine.quantized_mlps(draft.draft_bits)  # built or loaded once, like the weights
+            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), draft, **extra)
             return lm.generate(prompt, policy=policy, **kwargs)
         return lm.generate(prompt, **kwargs, **self._kwargs())
 

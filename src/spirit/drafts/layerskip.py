@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from spirit.drafts.quantized import QuantizedMLPs
 from spirit.drafts.tree import DraftTree
 from spirit.drafts.vocab import DraftHead
 from spirit.model.adapter import SkippableModel
@@ -31,8 +32,10 @@ def draft_layerskip(
     generator: torch.Generator | None,
     limit: int,
     head: DraftHead | None = None,
+    mlps: QuantizedMLPs | None = None,
 ) -> DraftTree:
-    """A tree of up to `limit` chain tokens plus leaves, rooted at the pending token ids[-1]."""
+    """A tree of up to `limit` chain tokens plus leaves, rooted at the pending token ids[-1].
+    `mlps`: quantized MLPs the draft runs instead of the model's own (config.draft_bits)."""
     assert config.skip is not None
     committed = len(ids) - 1
     token = ids[-1]
@@ -40,7 +43,7 @@ def draft_layerskip(
     chain_dists: list[torch.Tensor] = []
     leaves: list[tuple[int, int, torch.Tensor | None]] = []  # (parent node, token, q)
     for j in range(limit):
-        hidden = model.hidden_states(torch.tensor([[token]]), committed + j, cache, config.skip)[0, -1]  # [hidden]
+        hidden = model.hidden_states(torch.tensor([[token]]), committed + j, cache, config.skip, mlps=mlps)[0, -1]  # [hidden]
         logits = model.draft_logits(hidden, head)  # [vocab], -inf outside a reduced head
         probs = torch.softmax(logits, dim=-1) if sampling.greedy else probabilities(logits, sampling)
         confidence = float(probs.max())

@@ -24,6 +24,7 @@ from torch import nn
 from spirit.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
+    from spirit.drafts.quantized import QuantizedMLPs
     from spirit.drafts.vocab import DraftHead
 from spirit.skipset import SkipSet
 
@@ -158,11 +159,13 @@ class SkippableModel:
         skip: SkipSet,
         positions: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
+        mlps: "QuantizedMLPs | None" = None,
     ) -> torch.Tensor:
         """Run q tokens in cache slots [start, start + q); return final-normed hidden [1, q, hidden].
 
         input_ids: [1, q]. positions: [q], defaults to the slots. visible: [q, start + q]
-        bool, defaults to causal. Writes KV for those slots in every attention layer it runs.
+        bool, defaults to causal. mlps: quantized copies of the MLPs to run instead of the
+        model's own (drafts only). Writes KV for those slots in every attention layer it runs.
         """
         q = input_ids.shape[1]
         cache.begin(start, q)
@@ -187,12 +190,11 @@ class SkippableModel:
                     attn_out = layer.post_attention_layernorm(attn_out)
                 hidden = hidden + attn_out
             if i not in skip.mlp:
+                mlp = layer.mlp if mlps is None else mlps[i]
                 if sandwich:
-                    hidden = hidden + layer.post_feedforward_layernorm(
-                        layer.mlp(layer.pre_feedforward_layernorm(hidden))
-                    )
+                    hidden = hidden + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(hidden)))
                 else:
-                    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                    hidden = hidden + mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,17 @@
 Per recognized task (a profile), the policy searches in two stages and then exploits:
 
 1. *Ratio.* The fraction of sublayers skipped is the first-order knob. It measures a coarse
-   grid of ratios (0 included: plain decoding, so it never settles on something slower than
-   vanilla), one window each, outwards from a prior (the middle; with prompt lookup, ratio 0,
-   lookup alone), then refines around the best by half a grid step.
-2. *Pattern.* At the chosen ratio it tries a few swaps of which sublayers are skipped (one
+   grid of ratios, one window each, outwards from a prior, then refines around the best by
+   half a grid step. Without a draft that skips nothing, ratio 0 is plain decoding and the
+   prior is the middle of the grid. With one (prompt lookup, or a draft whose MLPs are
+   quantized, `draft_bits`), ratio 0 is that draft, an arm to measure like any other, and
+   the prior; plain decoding (1.0 by definition) is what every arm must beat, so the policy
+   never settles on something slower than vanilla.
+2. *Source.* With prompt lookup on offer and a model draft that can run without it (a skip
+   ratio above 0, or a quantized draft), one window tries the chosen ratio with lookup
+   switched the other way, kept if faster by a noise margin: lookup drafts pre-empt the
+   model's, which pays where answers copy the prompt and costs where they don't.
+3. *Pattern.* At the chosen ratio it tries a few swaps of which sublayers are skipped (one
    skipped sublayer out, a highly ranked kept one in), keeping a swap only if it is faster by
    a noise margin. The ranking of sublayers ("skip these first") is shared by all tasks and
    learns from every accepted swap.
@@ -14,7 +21,7 @@ Per recognized task (a profile), the policy searches in two stages and then expl
    measured so far (plain decoding if nothing beat it yet), which also re-measures it. Most
    requests are short (a 64-token answer is three windows), so a search spread this way over
    several requests costs far less than one that spends whole requests on trials.
-3. *Exploit.* It runs the incumbent, refreshes the plain-decoding speed model now and then,
+4. *Exploit.* It runs the incumbent, refreshes the plain-decoding speed model now and then,
    and re-searches (around the incumbent) if normalized speed leaves its recent range.
 
 Speeds are compared after normalizing by plain decoding's speed at the same context length
@@ -35,11 +42,11 @@ from spirit.skipset import DraftConfig, SkipSet, sublayer_ids
 from spirit.stats import WindowStats
 
 RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)
-# The first task measures the grid outwards from a prior ratio: its middle without lookup;
-# with lookup, ratio 0 (lookup alone, no draft pass at all), which measured fastest on this
-# project's CPU (docs/benchmarks/), and upwards from there.
+# The first task measures the grid outwards from a prior ratio: its middle when ratio 0 is
+# plain decoding; otherwise ratio 0 (lookup alone, or the quantized draft that skips
+# nothing), which measured fastest on this project's CPU (docs/benchmarks/), and upwards.
 PRIOR_RATIO = 0.2
-PRIOR_RATIO_LOOKUP = 0.0
+PRIOR_RATIO_DRAFT = 0.0
 REFINE_STEP = 0.05
 MAX_RATIO = 0.6
 PATTERN_TRIALS = 4  # swaps tried per search
@@ -67,7 +74,7 @@ def prior_order(num_layers: int) -> list[tuple[str, int]]:
 class TaskProfile:
     pending: list[float] = field(default_factory=lambda: first_grid(PRIOR_RATIO))  # ratios left to measure
     ratio_scores: dict[str, list[float]] = field(default_factory=dict)  # "0.20" -> normalized speeds
-    stage: str = "ratio"  # ratio -> pattern -> exploit
+    stage: str = "ratio"  # ratio -> source -> pattern -> exploit
     refined: bool = False
     ratio: float = 0.0
     skip: list[list] | None = None  # the incumbent pattern, as [kind, layer] pairs
@@ -77,7 +84,9 @@ class TaskProfile:
     searches: int = 1
     requests: int = 0
     inherited: list[list] | None = None  # the neighbour's pattern this profile started from
-    lookup: bool = False  # whether the incumbent drafts by prompt lookup first
+    drafting: bool = False  # whether the incumbent drafts at all (ratio 0: plain decoding if not)
+    ngram: bool = True  # whether the incumbent drafts by prompt lookup first (when on offer)
+    source_tried: bool = False  # the source stage's one trial of this search is done
     exploited: int = 0  # exploit windows since the last search
     owe_best: bool = False  # the last window was a trial: the next runs the best so far
 
@@ -109,14 +118,16 @@ def _best_ratio(means: dict[float, float]) -> float:
 class SpiritPolicy(Policy):
     name = "spirit"
     # every lever that measured faster on qwen2.5-coder-1.5b in bf16 (docs/benchmarks/)
-    default_draft = DraftConfig(ngram=True, draft_vocab=32768, branches=2)
+    default_draft = DraftConfig(ngram=True, draft_vocab=32768, branches=2, draft_bits=4, threshold=0.5)
     window_tokens = SEARCH_WINDOW
 
     def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0) -> None:
-        # Prompt lookup is a source the policy switches on per window: with it, every ratio
-        # of the grid (0 included: lookup alone) drafts by lookup first, and plain decoding
+        # Prompt lookup is a source the policy switches on per window: with it, every arm
+        # drafts by lookup first. With it or with quantized drafts, ratio 0 is a draft arm
+        # (lookup alone and/or the quantized model skipping nothing), and plain decoding
         # (1.0 by definition) is the arm every other one must beat.
         self.lookup = base.ngram
+        self.zero_arm = base.ngram or base.draft_bits > 0
         super().__init__(model, replace(base, ngram=False))
         self.rng = random.Random(seed)
         self.speed = SpeedModel()
@@ -141,12 +152,20 @@ class SpiritPolicy(Policy):
         count = round(ratio * 2 * self.model.num_layers)
         return list(self.order[:count])
 
-    def _skipset(self, sublayers) -> SkipSet | None:
-        if not sublayers:
-            return None
-        return SkipSet(
+    def _arm(self, sublayers, ngram: bool | None = None) -> DraftConfig:
+        """The draft that skips `sublayers` (as [kind, layer] pairs), lookup first if on
+        (`ngram`, default the profile's choice). Skipping nothing is the quantized draft
+        with draft_bits, lookup alone without, and plain decoding with neither."""
+        skip = SkipSet(
             frozenset(i for k, i in sublayers if k == "attn"), frozenset(i for k, i in sublayers if k == "mlp")
         )
+        ngram = self.lookup and (self.profile.ngram if ngram is None else ngram)
+        return self.config(skip if sublayers or self.base.draft_bits else None, ngram=ngram)
+
+    def _incumbent(self, p: TaskProfile) -> DraftConfig:
+        if not p.skip and not p.drafting:
+            return self.config(None)
+        return self._arm([tuple(s) for s in p.skip or []])
 
     def plan(self) -> DraftConfig:
         """Decide what the next window runs, and remember why (self.trial)."""
@@ -164,7 +183,16 @@ class SpiritPolicy(Policy):
                 return self._run_best(means)
             ratio = p.pending[0]
             self.trial = ("ratio", ratio)
-            return self.config(self._skipset(self.pattern_for(ratio)), ngram=self.lookup)
+            return self._arm(self.pattern_for(ratio))
+        if p.stage == "source":
+            if p.owe_best:  # after a trial, the incumbent
+                self.trial = ("exploit", None)
+                return self._incumbent(p)
+            if p.source_tried:
+                p.stage = "pattern" if p.skip else "exploit"
+                return self.plan()
+            self.trial = ("source", not p.ngram)
+            return self._arm([tuple(s) for s in p.skip or []], ngram=not p.ngram)
         if p.stage == "pattern":
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
@@ -173,45 +201,45 @@ class SpiritPolicy(Policy):
             if candidate is None:
                 if p.owe_best:  # between two swaps, the incumbent
                     self.trial = ("exploit", None)
-                    return self.config(self._skipset([tuple(s) for s in p.skip]), ngram=p.lookup)
+                    return self._incumbent(p)
                 p.stage = "exploit"
                 return self.plan()
             self.trial = ("pattern", candidate)
-            return self.config(self._skipset(candidate), ngram=p.lookup)
+            return self._arm(candidate)
         # exploit
         self.window_tokens = EXPLOIT_WINDOW
         if not p.skip and p.exploited >= REPROBE_EVERY:
-            # settled on plain decoding or lookup alone: now and then check whether skipping
-            # pays now (longer contexts, another machine state); one window of regret per
-            # REPROBE_EVERY (two when lookup alone, not yet tried, may beat plain decoding)
+            # settled on plain decoding or the ratio-0 draft: now and then check whether
+            # skipping pays now (longer contexts, another machine state); one window of
+            # regret per REPROBE_EVERY (two when the ratio-0 draft may now beat plain decoding)
             p.exploited, p.stage, p.refined = 0, "ratio", False
-            if p.lookup:
+            if p.drafting:
                 p.ratio_scores, p.pending = {_key(0.0): [p.score]}, [RATIO_GRID[1]]
             else:
                 p.ratio_scores = self._plain_scores()
-                p.pending = [RATIO_GRID[1]] if not self.lookup else [0.0, RATIO_GRID[1]]
+                p.pending = [RATIO_GRID[1]] if not self.zero_arm else [0.0, RATIO_GRID[1]]
             return self.plan()
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
-        if (p.skip or p.lookup) and stale:
+        if (p.skip or p.drafting) and stale:
             self.trial = ("plain", None)
             return self.config(None)
         self.trial = ("exploit", None)
-        return self.config(self._skipset([tuple(s) for s in p.skip] if p.skip else None), ngram=p.lookup)
+        return self._incumbent(p)
 
     def _run_best(self, means: dict[float, float]) -> DraftConfig:
         """The best ratio measured so far in this search; plain decoding (1.0 by definition)
         when nothing measured beats it."""
         best = _best_ratio(means)
-        if means[best] < 1.0 or (best == 0.0 and not self.lookup):
+        if means[best] < 1.0 or (best == 0.0 and not self.zero_arm):
             self.trial = ("plain", None)
             return self.config(None)
         self.trial = ("best", best)
-        return self.config(self._skipset(self.pattern_for(best)), ngram=self.lookup)
+        return self._arm(self.pattern_for(best))
 
     def _plain_scores(self) -> dict[str, list[float]]:
-        """Grid scores known without measuring: without lookup, ratio 0 is plain decoding,
-        1.0 by definition once calibrated; with lookup, ratio 0 is lookup alone (unknown)."""
-        return {} if self.lookup else {_key(0.0): [1.0]}
+        """Grid scores known without measuring: ratio 0 is plain decoding, 1.0 by definition
+        once calibrated, unless it is a draft arm (lookup, quantized), which is unknown."""
+        return {} if self.zero_arm else {_key(0.0): [1.0]}
 
     def _finish_ratio_stage(self, p: TaskProfile) -> None:
         means = _means(p)
@@ -234,12 +262,14 @@ class SpiritPolicy(Policy):
             ]
             if p.pending:
                 return
-        p.lookup = self.lookup and means.get(best, 0.0) >= 1.0
-        if self.lookup and not p.lookup:
+        p.drafting = means.get(best, 0.0) >= 1.0 and (best > 0 or self.zero_arm)
+        if self.zero_arm and not p.drafting:
             best = 0.0  # nothing beat plain decoding
-        p.ratio, p.score = best, means.get(best, 1.0) if p.lookup or not self.lookup else 1.0
+        p.ratio, p.score = best, means.get(best, 1.0) if p.drafting or not self.zero_arm else 1.0
         p.skip = [list(s) for s in self.pattern_for(best)]
         p.stage = "pattern" if p.skip else "exploit"
+        if self.lookup and p.drafting and (p.skip or self.base.draft_bits):
+            p.stage, p.source_tried = "source", False
         # a profile that kept its neighbour's ratio keeps its refined pattern: one check only
         same = p.inherited is not None and len(p.inherited) == len(p.skip)
         if same:
@@ -269,27 +299,28 @@ class SpiritPolicy(Policy):
         """A new task starts from its nearest known task's configuration and searches
         locally around it (tasks often agree, and prompt features are only a hint); the
         very first task searches the whole grid."""
-        profile = TaskProfile(pending=first_grid(PRIOR_RATIO_LOOKUP if self.lookup else PRIOR_RATIO))
+        profile = TaskProfile(pending=first_grid(PRIOR_RATIO_DRAFT if self.zero_arm else PRIOR_RATIO))
         if nearest is None or not self.speed.calibrated:
             return profile
         base = self.profiles[nearest]
         if base.stage == "ratio" and not base.ratio_scores:
             return profile
+        profile.ngram = base.ngram
         r = base.ratio
         if base.stage == "ratio":  # the neighbour is still searching: its best so far
             means = _means(base)
             r = _best_ratio(means)
         profile.ratio_scores = self._plain_scores()
         if r == 0.0 and base.stage == "exploit":
-            # the nearest task found nothing faster than plain decoding, or than lookup
-            # alone: start there, and check the smallest ratio after a few windows rather
+            # the nearest task found nothing faster than plain decoding, or than the ratio-0
+            # draft: start there, and check the smallest ratio after a few windows rather
             # than at once (a trial costs a window, and most requests are a few windows long)
             profile.stage, profile.pending = "exploit", []
-            profile.lookup, profile.score = base.lookup, base.score if base.lookup else 1.0
+            profile.drafting, profile.score = base.drafting, base.score if base.drafting else 1.0
             profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
             return profile
         around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
-        lowest = 0 if self.lookup else 1e-9  # with lookup, ratio 0 (lookup alone) is an arm to measure
+        lowest = 0 if self.zero_arm else 1e-9  # ratio 0 is an arm to measure, or plain decoding
         profile.pending = [x for x in dict.fromkeys(around) if lowest <= x <= MAX_RATIO]
         profile.inherited = [list(s) for s in base.skip] if base.skip else None
         return profile
@@ -310,16 +341,20 @@ class SpiritPolicy(Policy):
         p = self.profile
         ratio = stats.config.skip.ratio(self.model.num_layers) if stats.config.skip else 0.0
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
-        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.lookup:
+        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.zero_arm:
             kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
         # a speculative trial is followed by a window of the best so far; a plain window that
         # stands for ratio 0 (no lookup) is itself the best-known speed
-        p.owe_best = kind in ("ratio", "pattern") and stats.config.speculative
+        p.owe_best = kind in ("ratio", "pattern", "source") and stats.config.speculative
         if kind in ("ratio", "best"):
             p.ratio_scores.setdefault(_key(arg), []).append(score)
             if arg in p.pending:
                 p.pending.remove(arg)
             self._prune_grid(p, arg, score)
+        elif kind == "source":
+            p.source_tried = True
+            if score > p.score * (1 + MARGIN):
+                p.ngram, p.score = arg, score
         elif kind == "pattern":
             p.trials_left -= 1
             if score > p.score * (1 + MARGIN):
@@ -375,7 +410,11 @@ class SpiritPolicy(Policy):
     def load_state_dict(self, state: dict) -> None:
         self.speed.load_state_dict(state.get("speed", {}))
         self.index.load_state_dict(state.get("index", {}))
-        self.profiles = [TaskProfile(**p) for p in state.get("profiles", [])]
+        # "lookup" is what profiles saved before quantized drafts called "drafting"
+        self.profiles = [
+            TaskProfile(**{("drafting" if k == "lookup" else k): v for k, v in p.items()})
+            for p in state.get("profiles", [])
+        ]
         self.order = [tuple(s) for s in state.get("order", [])] or self.order
 
     def describe(self) -> str:
