@@ -99,3 +99,15 @@ def test_a_new_task_starts_from_its_neighbours_lookup_choice():
     log = run(policy, with_lookup(1.6, -0.3), prompts_of(0, 6), noise=0.01)
     log = run(policy, with_lookup(1.6, -0.3), prompts_of(1, 2), noise=0.01, log=log)
     assert len(policy.profiles) >= 2 and not policy.profiles[-1].ngram
+
+
+def test_a_new_task_measures_the_ratio_0_draft_first_even_after_a_skipping_neighbour():
+    # the first task pays for skipping 20% on top; a second task then starts its local search
+    # with the quantized draft alone, not with a near-zero skip ratio inherited from it
+    policy = SpiritPolicy(ModelInfo(L), DraftConfig(draft_bits=4, ngram=True))
+    log = run(policy, landscape(1.3, skip_gain=0.3), prompts_of(0, 8), noise=0.01)
+    assert policy.profiles[0].ratio > 0
+    run(policy, landscape(1.3, skip_gain=0.3), prompts_of(1, 1), noise=0.01, log=log)
+    assert len(policy.profiles) == 2
+    second = [h for h in policy.history if h["profile"] == 1 and h["trial"] == "ratio"]
+    assert second and second[0]["ratio"] == 0.0

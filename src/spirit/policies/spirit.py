@@ -320,6 +320,11 @@ class SpiritPolicy(Policy):
             profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
             return profile
         around = [r, round(r - 2 * REFINE_STEP, 4), round(r + 2 * REFINE_STEP, 4)]
+        if self.zero_arm:
+            # the ratio-0 draft first: on every task the first search measures it, it was the
+            # fastest arm on most (docs/benchmarks/), and a neighbour's skip ratio often does
+            # not carry over; a ratio less than a step above 0 is that arm too
+            around = [0.0] + [x for x in around if x >= REFINE_STEP - 1e-9]
         lowest = 0 if self.zero_arm else 1e-9  # ratio 0 is an arm to measure, or plain decoding
         profile.pending = [x for x in dict.fromkeys(around) if lowest <= x <= MAX_RATIO]
         profile.inherited = [list(s) for s in base.skip] if base.skip else None
