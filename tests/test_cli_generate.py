@@ -139,3 +139,19 @@ def test_profile_for_another_method_is_refused(model_dir, tmp_path, capsys):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--method", "spirit",
                        "--profile-file", str(profile))
     assert code == 2 and "is for method 'sp2ec'" in err
+
+
+def test_draft_bits_run_lossless_and_are_kept_on_disk(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path))
+    base = ["generate", "--model", str(model_dir), "--dtype", "fp32", "--prompt", "Hello", "--max-new-tokens", "20", "--json"]
+    code, out, _ = run(capsys, *base, "--method", "vanilla")
+    vanilla = json.loads(out)
+    code, out, _ = run(capsys, *base, "--method", "static", "--skip", "attn:1", "--draft-bits", "4", "--threshold", "0")
+    assert code == 0
+    quantized = json.loads(out)
+    assert quantized["token_ids"] == vanilla["token_ids"] and quantized["stats"]["draft_rounds"] > 0
+    assert "int4" in " ".join(quantized["stats"]["configs"])
+    assert len(list((tmp_path / "quantized").glob("*-int4.pt"))) == 1
+    with pytest.raises(SystemExit) as exit_info:  # argparse: usage and one line, exit 2
+        run(capsys, *base, "--draft-bits", "3")
+    assert exit_info.value.code == 2 and "--draft-bits" in capsys.readouterr().err

@@ -142,7 +142,8 @@ class Engine:
                 window.probe_agreement = self._probe(ids, cache, window.config.probe, window.counters)
             if window.config.speculative:
                 new = self._speculative_round(
-                    ids, cache, window.config, sampling, generator, budget, window.counters, lookup
+                    ids, cache, window.config, sampling, generator, budget, window.counters, lookup,
+                    settings.eos_token_ids,
                 )
             else:
                 new = self._plain_step(ids, cache, sampling, generator, window.counters)
@@ -192,13 +193,14 @@ class Engine:
         budget: int,
         counters: Counters,
         lookup: NgramIndex,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> list[int]:
         # drafting more than budget - 1 tokens cannot pay: the verification adds one more
         limit = min(config.max_draft, budget - 1, MAX_NODES - 1)
         if limit < 1:
             return self._plain_step(ids, cache, sampling, generator, counters)
         t0 = time.perf_counter()
-        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters)
+        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters, stop_ids)
         if tree.drafted == 0:  # nothing to verify: this round is a plain step
             counters.draft_time_s += time.perf_counter() - t0
             return self._plain_step(ids, cache, sampling, generator, counters)
@@ -226,7 +228,8 @@ class Engine:
         return [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
 
     def _propose(
-        self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters
+        self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> DraftTree:
         """Prompt lookup first (free); the skipping model when lookup finds no match (with a
         skip draft on offer, no match of STRONG_MATCH tokens): the policy measures
@@ -241,7 +244,7 @@ class Engine:
             return DraftTree(ids[-1])
         head = self.heads.head(config.draft_vocab)
         mlps = self.quantized_mlps(config.draft_bits)
-        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head, mlps)
+        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head, mlps, stop_ids)
 
     def _probe(self, ids: list[int], cache, skip: SkipSet, counters: Counters) -> float | None:
         """Teacher-forced top-1 agreement of `skip` with the last committed tokens.

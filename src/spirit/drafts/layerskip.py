@@ -33,9 +33,12 @@ def draft_layerskip(
     limit: int,
     head: DraftHead | None = None,
     mlps: QuantizedMLPs | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> DraftTree:
     """A tree of up to `limit` chain tokens plus leaves, rooted at the pending token ids[-1].
-    `mlps`: quantized MLPs the draft runs instead of the model's own (config.draft_bits)."""
+    `mlps`: quantized MLPs the draft runs instead of the model's own (config.draft_bits).
+    The chain ends at a token of `stop_ids` (end of sequence): what follows it is never
+    used, and short answers (one sentence) would otherwise pay for a full draft past it."""
     assert config.skip is not None
     committed = len(ids) - 1
     token = ids[-1]
@@ -62,7 +65,7 @@ def draft_layerskip(
             if branch:
                 leaves += [(j, sample(probs, generator), probs) for _ in range(config.branches - 1)]
         chain.append(token)
-        if confidence < config.threshold:
+        if confidence < config.threshold or token in stop_ids:
             break
     tree = DraftTree.chain(ids[-1], chain, chain_dists or None)
     for parent, leaf, dist in leaves:

@@ -60,6 +60,9 @@ HISTORY_WINDOWS = 4096
 MIN_TOKENS = 8  # shorter windows (end of a request) are too noisy to judge
 SEARCH_WINDOW = 24  # tokens per window while searching
 EXPLOIT_WINDOW = 48  # tokens per window while exploiting
+# a plain window that refreshes the speed model: short, since many requests are one or two
+# windows long and this one runs at plain speed, yet long enough (>= MIN_TOKENS) to count
+PLAIN_WINDOW = 16
 
 
 def prior_order(num_layers: int) -> list[tuple[str, int]]:
@@ -222,6 +225,7 @@ class SpiritPolicy(Policy):
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
         if (p.skip or p.drafting) and stale:
             self.trial = ("plain", None)
+            self.window_tokens = PLAIN_WINDOW
             return self.config(None)
         self.trial = ("exploit", None)
         return self._incumbent(p)
