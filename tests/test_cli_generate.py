@@ -142,7 +142,10 @@ def test_profile_for_another_method_is_refused(model_dir, tmp_path, capsys):
 
 
 def test_draft_bits_run_lossless_and_are_kept_on_disk(model_dir, tmp_path, monkeypatch, capsys):
+    from spirit.drafts import quantized
+
     monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(quantized, "KEEP_AFTER_S", 0.0)  # a tiny model builds in milliseconds
     base = ["generate", "--model", str(model_dir), "--dtype", "fp32", "--prompt", "Hello", "--max-new-tokens", "20", "--json"]
     code, out, _ = run(capsys, *base, "--method", "vanilla")
     vanilla = json.loads(out)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from spirit.drafts import quantized
 from spirit.drafts.quantized import QuantizationError, QuantizedLinear, QuantizedMLP, QuantizedMLPs
 from spirit.model.adapter import SkippableModel
 from spirit.skipset import DraftConfig, SkipSet
@@ -85,7 +86,8 @@ def test_a_quantized_pass_approximates_the_full_model(arch, bits):
     assert 0 < err < (0.05 if bits == 8 else 0.3), err
 
 
-def test_the_disk_cache_round_trips_and_rebuilds_what_does_not_fit(tmp_path):
+def test_the_disk_cache_round_trips_and_rebuilds_what_does_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantized, "KEEP_AFTER_S", 0.0)  # a tiny model builds in milliseconds
     model = SkippableModel(tiny_model("qwen2", num_layers=3))
     path = tmp_path / "q" / "tiny-int4.pt"
     built = QuantizedMLPs.cached(model.layers, 4, path)
@@ -102,10 +104,17 @@ def test_the_disk_cache_round_trips_and_rebuilds_what_does_not_fit(tmp_path):
     assert len(QuantizedMLPs.cached(model.layers, 4, path).mlps) == 3
 
 
-def test_an_engine_keeps_its_quantized_mlps_in_the_cache_it_is_given(tmp_path):
+def test_an_engine_keeps_its_quantized_mlps_in_the_cache_it_is_given(tmp_path, monkeypatch):
     from spirit.engine import Engine
 
+    monkeypatch.setattr(quantized, "KEEP_AFTER_S", 0.0)
     eng = Engine(SkippableModel(tiny_model("llama", num_layers=2)), quantized_cache=tmp_path / "tiny")
     assert eng.quantized_mlps(0) is None
     assert eng.quantized_mlps(8).bits == 8 and (tmp_path / "tiny-int8.pt").exists()
     assert eng.quantized_mlps(8) is eng.quantized_mlps(8)
+
+
+def test_what_builds_fast_is_not_kept_on_disk(tmp_path):
+    model = SkippableModel(tiny_model("llama", num_layers=2))
+    QuantizedMLPs.cached(model.layers, 4, tmp_path / "tiny-int4.pt")
+    assert not (tmp_path / "tiny-int4.pt").exists()

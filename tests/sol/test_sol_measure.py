@@ -9,15 +9,20 @@ import torch.nn.functional as F
 
 from spirit.cli import main
 from spirit.sol import analyze, calibrate, load_hardware, save_hardware
+from spirit.sol.hardware import _llc_bytes
 from spirit.sol.measure import time_call
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sol"
 
 
 def _ops():
-    w, x = torch.randn(4096, 4096), torch.randn(4096)  # 64 MB: far past any cache
-    # 3 x 64 MB streamed: 3 x 16 MB fitted partly in this Zen 5's L3 and beat the DRAM bound
-    a, b = torch.randn(16 << 20), torch.randn(16 << 20)
+    # the streaming ops read 4x the last-level cache (at most 2 GiB): 3 x 16 MB fitted partly
+    # in a Zen 5's L3, and a 64 MB gemv wholly in one 2-core VM's 480 MiB L3, and beat the bound
+    footprint = min(4 * _llc_bytes(), 2 << 30)
+    rows = max(4096, footprint // (4 * 4096))
+    w, x = torch.randn(rows, 4096), torch.randn(4096)
+    n = max(16 << 20, footprint // (3 * 4))
+    a, b = torch.randn(n), torch.randn(n)
     m1, m2 = torch.randn(384, 384), torch.randn(384, 384)
     s = torch.randn(2048, 4096)
     return [("gemv", lambda w, x: w @ x, (w, x)), ("add", torch.add, (a, b)),
