@@ -51,6 +51,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     lm = _load(args)
+    from spirit.api import default_draft
+
+    # quantized draft MLPs are built (or loaded from disk) now, not in the first request
+    lm.engine.quantized_mlps(default_draft(config.method).draft_bits)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"spirit: warning: listening on {args.host} without an API key", flush=True)
     print(f"spirit: serving {config.model_name or lm.name} ({config.method}) on http://{args.host}:{args.port}/v1",
