@@ -83,9 +83,16 @@ class _Events:
     def __init__(self, request: Request, job: Job, deadline: float | None, poll_s: float) -> None:
         self.request, self.job, self.deadline, self.poll_s = request, job, deadline, poll_s
         self._getter: asyncio.Future | None = None  # kept across polls so no event is lost
+        self._checked = time.perf_counter()  # when the connection was last checked
 
     async def next(self) -> tuple[str, object]:
         while True:
+            # checked every poll_s even while events keep coming: a fast generation sends
+            # one per round and would otherwise never look at the connection
+            if time.perf_counter() - self._checked >= self.poll_s:
+                self._checked = time.perf_counter()
+                if await self.request.is_disconnected():
+                    raise _ClientGone
             wait = self.poll_s
             if self.deadline is not None:
                 wait = min(wait, self.deadline - time.perf_counter())
@@ -97,6 +104,7 @@ class _Events:
             if done:
                 event, self._getter = self._getter.result(), None
                 return event
+            self._checked = time.perf_counter()
             if await self.request.is_disconnected():
                 raise _ClientGone
 
