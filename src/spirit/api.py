@@ -128,7 +128,8 @@ def _quantized_cache(loaded: LoadedModel) -> Path | None:
     if not files:
         return None
     key = [str(loaded.folder.resolve()), str(loaded.dtype), torch.__version__]
-    key += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    stats = [(f.name, f.stat()) for f in files]
+    key += [f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in stats]
     digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
     return cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
 

@@ -76,7 +76,7 @@ class Engine:
 
     def quantized_mlps(self, bits: int) -> QuantizedMLPs | None:
         """The model's MLPs quantized to `bits` for drafts (None for 0), on first use: built
-        (~15 s for int4 of a 1.5b model on 2 cores) or loaded from `quantized_cache`."""
+        (17.5 s for int4 of a 1.5b model on 2 cores) or loaded from `quantized_cache`."""
         if not bits:
             return None
         if bits not in self._quantized:

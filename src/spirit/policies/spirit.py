@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
 from spirit.policies.features import ProfileIndex, prompt_vector
 from spirit.policies.speed_model import SpeedModel, window_context
-from spirit.skipset import DraftConfig, SkipSet, sublayer_ids
+from spirit.skipset import DraftConfig, skipset_from_sublayers, sublayer_ids
 from spirit.stats import WindowStats
 
 RATIO_GRID = (0.0, 0.1, 0.2, 0.3, 0.4)
@@ -159,16 +159,14 @@ class SpiritPolicy(Policy):
         """The draft that skips `sublayers` (as [kind, layer] pairs), lookup first if on
         (`ngram`, default the profile's choice). Skipping nothing is the quantized draft
         with draft_bits, lookup alone without, and plain decoding with neither."""
-        skip = SkipSet(
-            frozenset(i for k, i in sublayers if k == "attn"), frozenset(i for k, i in sublayers if k == "mlp")
-        )
+        skip = skipset_from_sublayers(sublayers)
         ngram = self.lookup and (self.profile.ngram if ngram is None else ngram)
         return self.config(skip if sublayers or self.base.draft_bits else None, ngram=ngram)
 
     def _incumbent(self, p: TaskProfile) -> DraftConfig:
         if not p.skip and not p.drafting:
             return self.config(None)
-        return self._arm([tuple(s) for s in p.skip or []])
+        return self._arm(p.skip or [])
 
     def plan(self) -> DraftConfig:
         """Decide what the next window runs, and remember why (self.trial)."""
@@ -195,7 +193,7 @@ class SpiritPolicy(Policy):
                 p.stage = "pattern" if p.skip else "exploit"
                 return self.plan()
             self.trial = ("source", not p.ngram)
-            return self._arm([tuple(s) for s in p.skip or []], ngram=not p.ngram)
+            return self._arm(p.skip or [], ngram=not p.ngram)
         if p.stage == "pattern":
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
