@@ -12,23 +12,29 @@ Variants (all greedy, checked token by token against plain decoding in the same 
   int8/int4+...        no sublayer skipped, the draft's MLPs quantized (--ratio's skip for
                        int4+skip); @t0.5: drafting stops below top-1 probability 0.5, not 0.8;
                        vocab/2: a draft head of half the --vocab tokens
+  fixed                spirit's default levers at its ratio-0 arm, no online policy
   spirit               the spirit policy with every lever, adapting online across the run
-Order: a warm-up of every variant, then question by question every variant in turn, so drift
-hits all alike. Prints a table (speed is tokens/s over the whole request, prefill included,
-Spec-Bench's definition) and writes it as Markdown with --markdown.
+Runs through `spirit.bench.run_bench`, like `spirit bench`: a warm-up of every variant (on a
+throwaway policy and learned state), then question by question every variant in turn, the
+order rotated per question; each variant drafts with its own learned state only. Speedup is
+spirit.bench.metrics' one definition (mean tokens/s over questions, prefill included, over
+vanilla's on the same questions); "identical" compares each variant's greedy tokens with
+vanilla's, and every divergence is listed. Only each question's first turn is asked. Prints
+a table and writes it as Markdown with --markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import spirit
-from spirit.bench.metrics import NEAR_TIE, first_divergence
+from spirit.bench.metrics import OVERALL
 from spirit.bench.questions import load_questions, select
+from spirit.bench.report import lossless_section
+from spirit.bench.runner import SpiritMethod, run_bench
 from spirit.policies.spirit import prior_order
 from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
 
@@ -57,12 +63,15 @@ def variants(lm, ratio: float, vocab: int, branches: int) -> dict[str, dict]:
                                 draft=DraftConfig(draft_bits=4, draft_vocab=vocab, threshold=0.3)),
         "int4+vocab/2@t0.5": dict(method="static", skip=SkipSet(),
                                   draft=DraftConfig(draft_bits=4, draft_vocab=vocab // 2, threshold=0.5)),
+        "fixed": dict(method="fixed"),
         "spirit": dict(method="spirit"),
     }
 
 
-def run(lm, spec: dict, prompt: str, tokens: int):
-    return lm.generate(prompt, chat=True, max_new_tokens=tokens, **spec)
+def runners(table: dict[str, dict]) -> dict[str, SpiritMethod]:
+    """One bench runner per variant, each with its own learned draft state (named after it)."""
+    return {name: SpiritMethod(spec["method"], spec.get("skip"), spec.get("draft"), learner=name)
+            for name, spec in table.items()}
 
 
 def main() -> int:
@@ -82,67 +91,38 @@ def main() -> int:
 
     lm = spirit.load(args.model, dtype=args.dtype)
     cats = args.categories.split(",") if args.categories else None
-    questions = select(load_questions(Path(args.questions)), categories=cats, per_category=args.per_category)
+    questions = [replace(q, turns=q.turns[:1]) for q in
+                 select(load_questions(Path(args.questions)), categories=cats, per_category=args.per_category)]
     table = variants(lm, args.ratio, args.vocab, args.branches)
     if args.only:
         keep = {"vanilla", *args.only.split(",")}
         table = {k: v for k, v in table.items() if k in keep}
-    for name, spec in table.items():  # warm-up; spirit's kept policy starts the run fresh
-        if name != "spirit":
-            run(lm, spec, "Say hello.", 16)
-    rows: dict[str, list[dict]] = defaultdict(list)
-    margins: dict[str, list[float]] = defaultdict(list)  # logit gap at each divergence from vanilla
-    for q in questions:
-        reference = None
-        for name, spec in table.items():
-            r = run(lm, spec, q.turns[0], args.tokens)
-            reference = reference if reference is not None else r.token_ids
-            c = r.stats.counters
-            found = first_divergence(reference, r.token_ids)
-            if found is not None and None not in found[1:]:
-                pos, want, got = found
-                margin = lm.logit_margin(lm.encode(q.turns[0], chat=True), reference[:pos], want, got)
-                margins[name].append(margin)
-                print(f"    {name} diverges from vanilla at token {pos}: logit margin {margin:+.3f}"
-                      f" ({'near-tie' if abs(margin) < NEAR_TIE else 'CLEAR'})", file=sys.stderr, flush=True)
-            rows[name].append(dict(category=q.category, tps=r.stats.tokens_per_s, exact=r.token_ids == reference,
-                                   acc=c.acceptance_rate, per_round=c.mean_accepted, rounds=c.draft_rounds,
-                                   lookup=c.lookup_rounds, draft_s=c.draft_time_s, verify_s=c.verify_time_s,
-                                   wall=r.stats.wall_time_s, tokens=r.stats.new_tokens))
-        print(f"  {q.category}: " + "  ".join(f"{n} {rows[n][-1]['tps']:.2f}" for n in table), file=sys.stderr, flush=True)
-
-    def total_tps(name: str, category: str | None = None) -> float:
-        rs = [x for x in rows[name] if category is None or x["category"] == category]
-        return sum(x["tokens"] for x in rs) / sum(x["wall"] for x in rs)
-
-    base = total_tps("vanilla")
-    categories = list(dict.fromkeys(x["category"] for x in rows["vanilla"]))
+    result = run_bench(lm, questions, list(table), runners=runners(table), max_new_tokens=args.tokens)
+    figures = result.by_category()
+    lossless = result.lossless()
+    categories = list(dict.fromkeys(q.category for q in questions))
     lines = [
-        f"model {lm.name}, dtype {str(lm.dtype).removeprefix('torch.')}, {len(questions)} questions x {args.tokens} "
+        f"model {lm.name}, dtype {result.dtype}, {len(questions)} questions x {args.tokens} "
         f"tokens, skip ratio {args.ratio}, draft vocab {args.vocab}, branches {args.branches}",
         "",
         "| variant | tok/s | speedup | worst category | acceptance | accepted/round | lookup rounds | draft s | verify s | identical to vanilla |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in table:
-        rs = rows[name]
-        per_cat = {c: total_tps(name, c) / total_tps("vanilla", c) for c in categories}
-        worst = min(per_cat, key=per_cat.get)
+    for name in result.methods:
+        row, ll = figures[name], lossless.get(name)
+        f, c = row[OVERALL], row[OVERALL].counters
+        worst = min(categories, key=lambda g: row[g].speedup or 0.0)
+        identical = "reference" if ll is None else f"{ll.identical_questions}/{ll.questions}"
         lines.append(
-            f"| {name} | {total_tps(name):.2f} | {total_tps(name) / base:.2f}x | {worst} {per_cat[worst]:.2f}x | "
-            f"{statistics.mean(x['acc'] for x in rs):.2f} | {statistics.mean(x['per_round'] for x in rs):.2f} | "
-            f"{sum(x['lookup'] for x in rs)}/{sum(x['rounds'] for x in rs)} | {sum(x['draft_s'] for x in rs):.1f} | "
-            f"{sum(x['verify_s'] for x in rs):.1f} | {sum(x['exact'] for x in rs)}/{len(rs)} |"
+            f"| {name} | {f.tokens_per_s:.2f} | {f.speedup or 0:.2f}x | {worst} {row[worst].speedup or 0:.2f}x | "
+            f"{c.acceptance_rate:.2f} | {c.mean_accepted:.2f} | {c.lookup_rounds}/{c.draft_rounds} | "
+            f"{c.draft_time_s:.1f} | {c.verify_time_s:.1f} | {identical} |"
         )
     lines += ["", "Per category (speedup over vanilla):", "",
               "| variant | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]
-    for name in table:
-        lines.append(f"| {name} | " + " | ".join(f"{total_tps(name, c) / total_tps('vanilla', c):.2f}x" for c in categories) + " |")
-    lines += ["", f"Divergences from vanilla (bf16): logit margin at the first differing token; below {NEAR_TIE} "
-              "is a near-tie that a batched pass's rounding can flip.", ""]
-    for name in table:
-        if margins[name]:
-            lines.append(f"- {name}: " + ", ".join(f"{m:+.3f}" for m in margins[name]))
+    for name in result.methods:
+        lines.append(f"| {name} | " + " | ".join(f"{figures[name][g].speedup or 0:.2f}x" for g in categories) + " |")
+    lines += ["", *lossless_section(lossless, result.exactness)]
     text = "\n".join(lines)
     print(text)
     if args.markdown:

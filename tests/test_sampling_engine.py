@@ -2,12 +2,15 @@
 
 A tiny model with a 4-token vocabulary and flat-ish logits; three new tokens give 64 possible
 continuations whose exact probabilities we compute from the model. The draft skips most
-sublayers so that q differs clearly from p and the residual path is exercised often.
+sublayers so that q differs clearly from p and the residual path is exercised often. Both
+sampling modes: rejection (speculative sampling) and gumbel (per-position noise from the seed,
+so the continuations over seeds 0..n-1 are n independent samples).
 """
 
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -31,7 +34,8 @@ def exact_distribution(model, prompt):
     return probs
 
 
-def test_sampling_under_speculation_matches_the_model():
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+def test_sampling_under_speculation_matches_the_model(mode):
     model = tiny_model("llama", num_layers=4, vocab_size=VOCAB, logit_scale=1.5, seed=3)
     prompt = [0, 1, 2, 3, 1]
     exact = exact_distribution(model, prompt)
@@ -42,7 +46,7 @@ def test_sampling_under_speculation_matches_the_model():
     trials = 1500
     accepted = drafted = 0
     for i in range(trials):
-        settings = DecodeSettings(max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0, seed=i))
+        settings = DecodeSettings(max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0, seed=i, mode=mode))
         out = []
         decoding = engine.decode(prompt, settings, policy)
         while True:

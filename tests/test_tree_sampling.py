@@ -4,7 +4,8 @@ Unit level: verify_tree_sampling on hand-built trees (i.i.d. candidates from q w
 duplicates, deterministic candidates, both mixed, two levels), chi-square against p; broken
 variants of the rule are caught by the same test. Engine level: sampled continuations under
 branching drafts, a reduced draft head and prompt lookup follow the full model's own
-distribution.
+distribution, in both sampling modes (rejection and gumbel; Gumbel mode's own unit tests are in
+test_verify_gumbel.py).
 """
 
 import itertools
@@ -188,25 +189,28 @@ def exact_distribution(model, prompt):
     return probs
 
 
-def sampled_counts(engine, prompt, policy, trials, monkeypatch):
+VERIFIERS = {"rejection": "verify_tree_sampling", "gumbel": "verify_tree_gumbel"}
+
+
+def sampled_counts(engine, prompt, policy, trials, monkeypatch, mode="rejection"):
     """Continuation counts over seeds 0..trials-1, and what the verifier saw."""
     seen = {"rounds": 0, "off_chain": 0, "rejected": 0, "branched": 0}
-    real = engine_module.verify_tree_sampling
+    real = getattr(engine_module, VERIFIERS[mode])
 
-    def verify(tree, target, gen):
-        verdict = real(tree, target, gen)
+    def verify(tree, *args):
+        verdict = real(tree, *args)
         seen["rounds"] += 1
         seen["branched"] += not tree.is_chain()
         seen["off_chain"] += any(node != j + 1 for j, node in enumerate(verdict.path))
         seen["rejected"] += verdict.accepted < max(tree.depths)
         return verdict
 
-    monkeypatch.setattr(engine_module, "verify_tree_sampling", verify)
+    monkeypatch.setattr(engine_module, VERIFIERS[mode], verify)
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(trials):
         out = []
-        settings = DecodeSettings(max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0, seed=seed))
-        for chunk in engine.decode(prompt, settings, policy):
+        sampling = SamplingParams(temperature=1.0, seed=seed, mode=mode)
+        for chunk in engine.decode(prompt, DecodeSettings(max_new_tokens=NEW, sampling=sampling), policy):
             out.extend(chunk)
         assert len(out) == NEW and all(0 <= t < VOCAB for t in out)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
@@ -227,16 +231,18 @@ def assert_matches(counts, exact, trials):
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("vocab", [0, 3])
-def test_sampling_under_branching_drafts_matches_the_model(small, monkeypatch, vocab):
-    """A branch at every depth (i.i.d. siblings from q); vocab 3: a draft head that gives one
-    of the 4 tokens q = 0, so that token only ever comes from a residual."""
+@pytest.mark.parametrize("vocab, mode", [(0, "rejection"), (3, "rejection"), (3, "gumbel")])
+def test_sampling_under_branching_drafts_matches_the_model(small, monkeypatch, vocab, mode):
+    """A branch at every depth (rejection: i.i.d. siblings from q; gumbel: the runner-ups of
+    q's perturbed scores); vocab 3: a draft head that gives one of the 4 tokens q = 0, so that
+    token is never drafted and only ever comes from verification."""
     model, engine = small
     prompt = [0, 1, 2, 3, 1]
     draft = SkipSet(frozenset({1, 2, 3}), frozenset({1, 2, 3}))
     config = DraftConfig(max_draft=3, threshold=0.0, branches=3, branch_below=1.0, draft_vocab=vocab)
     trials = 900
-    counts, seen = sampled_counts(engine, prompt, StaticPolicy(ModelInfo(4), config, skip=draft), trials, monkeypatch)
+    policy = StaticPolicy(ModelInfo(4), config, skip=draft)
+    counts, seen = sampled_counts(engine, prompt, policy, trials, monkeypatch, mode)
     assert seen["branched"] == seen["rounds"] > 0.9 * trials
     assert seen["rejected"] > 50, seen
     if vocab == 0:
@@ -244,14 +250,15 @@ def test_sampling_under_branching_drafts_matches_the_model(small, monkeypatch, v
     assert_matches(counts, exact_distribution(model, prompt), trials)
 
 
-def test_sampling_under_prompt_lookup_branches_matches_the_model(small, monkeypatch):
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+def test_sampling_under_prompt_lookup_branches_matches_the_model(small, monkeypatch, mode):
     """Deterministic candidates (q = one-hot) from two earlier continuations of the suffix:
     for the likely first tokens 2 and 3 the lookup tree has two branches."""
     model, engine = small
     prompt = [2, 3, 2, 2, 3, 3, 3, 2, 1, 3]
     config = DraftConfig(ngram=True, ngram_tokens=2, branches=2)
     trials = 900
-    counts, seen = sampled_counts(engine, prompt, LookupPolicy(ModelInfo(4), config), trials, monkeypatch)
+    counts, seen = sampled_counts(engine, prompt, LookupPolicy(ModelInfo(4), config), trials, monkeypatch, mode)
     assert seen["branched"] > 0.5 * trials and seen["off_chain"] > 50 and seen["rejected"] > 50, seen
     assert_matches(counts, exact_distribution(model, prompt), trials)
 
@@ -265,24 +272,33 @@ def gemma():
     return SkippableModel(tiny_model("gemma3", num_layers=4, logit_scale=2.0))
 
 
-def sample_full(engine, seed, n=30):
+def sample_full(engine, seed, n=30, mode="auto"):
     out = []
-    settings = DecodeSettings(max_new_tokens=n, sampling=SamplingParams(temperature=0.8, top_k=50, seed=seed))
+    sampling = SamplingParams(temperature=0.8, top_k=50, seed=seed, mode=mode)
+    settings = DecodeSettings(max_new_tokens=n, sampling=sampling)
     policy = StaticPolicy(ModelInfo(4), FULL_CONFIG, skip=SkipSet.parse("attn:1,2;mlp:2"))
     for chunk in engine.decode(FULL_PROMPT, settings, policy):
         out.extend(chunk)
     return out
 
 
-def test_sampling_with_branches_on_the_full_vocabulary_is_seeded_and_valid(gemma):
-    a, b, c = (sample_full(Engine(gemma), seed) for seed in (1, 1, 2))  # fresh engines: same state
+@pytest.mark.parametrize("mode", ["rejection", "gumbel"])
+def test_sampling_with_branches_on_the_full_vocabulary_is_seeded_and_valid(gemma, mode):
+    a, b, c = (sample_full(Engine(gemma), seed, mode=mode) for seed in (1, 1, 2))  # fresh engines: same state
     assert a == b and len(a) == 30 and all(0 <= t < 264 for t in a)
     assert a != c  # the seed matters
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's draft-vocabulary table learns from every request, "
-                   "so a seeded request's sample depends on the requests served before it")
-def test_a_seeded_request_repeats_on_the_same_engine(gemma):
+REJECTION_DEPENDS_ON_THE_DRAFT = pytest.mark.xfail(
+    strict=True, reason="rejection mode: the engine's draft-vocabulary table learns from every request, so a "
+    "seeded request's sample depends on the draft, hence on the requests served before it",
+)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("rejection", marks=REJECTION_DEPENDS_ON_THE_DRAFT), "gumbel", "auto"])
+def test_a_seeded_request_repeats_on_the_same_engine(gemma, mode):
+    """Gumbel mode (the default for a seeded request) fixes each position's token from the
+    seed, so the draft cannot change the text (test_gumbel_engine.py: it is plain decoding's)."""
     engine = Engine(gemma)
-    first = sample_full(engine, 1)
-    assert all(sample_full(engine, 1) == first for _ in range(3))
+    first = sample_full(engine, 1, mode=mode)
+    assert all(sample_full(engine, 1, mode=mode) == first for _ in range(3))

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from spirit.engine import DecodeSettings, Engine
+from spirit.engine import SHARED_LEARNER, DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
+from spirit.model.exactness import Exactness
 from spirit.model.loader import LoadedModel
 from spirit.model.loader import load as load_model
 from spirit.policies import REGISTRY, ModelInfo, Policy
@@ -61,6 +62,7 @@ class Request:
     stop: tuple[str, ...] = ()
     chat: bool = False
     tag: str | None = None  # a label for the policy's records (e.g. a benchmark category)
+    learner: str = SHARED_LEARNER  # whose learned draft state it drafts with and teaches (Engine.decode)
 
 
 class TextStream:
@@ -85,7 +87,7 @@ class TextStream:
         stop_hit = False
         decoding = self._lm.engine.decode(
             self._prompt_ids, settings, self._policy, self._request.tag,
-            stop_requested=lambda: stop_hit or self._cancelled,
+            stop_requested=lambda: stop_hit or self._cancelled, learner=self._request.learner,
         )
         ids: list[int] = []
         emitted = ""
@@ -155,6 +157,12 @@ class Spirit:
     def num_layers(self) -> int:
         return self.model.shape.num_layers
 
+    @property
+    def exactness(self) -> Exactness:
+        """Whether speculation reproduces plain decoding bit for bit on this machine, and why
+        (measured at load: model/exactness.py)."""
+        return self.model.exactness
+
     # -- prompts ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int], chat: bool = False) -> list[int]:
@@ -167,17 +175,6 @@ class Spirit:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
-
-    def logit_margin(self, prompt_ids: list[int], prefix: list[int], token_a: int, token_b: int) -> float:
-        """The full model's logit of token_a minus token_b after prompt + prefix, computed as
-        plain decoding does (the prompt in one pass, then one token at a time): how close a
-        tie a divergence was."""
-        cache = self.model.new_cache(len(prompt_ids) + len(prefix) + 1)
-        full = SkipSet()
-        logits = self.model.forward(torch.tensor([list(prompt_ids)]), 0, cache, full, last_only=True)[0]
-        for j, token in enumerate(prefix):
-            logits = self.model.forward(torch.tensor([[token]]), len(prompt_ids) + j, cache, full, last_only=True)[0]
-        return float(logits[token_a] - logits[token_b])
 
     # -- policies --------------------------------------------------------------------------
 
@@ -250,24 +247,27 @@ class Spirit:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        sampling_mode: str = "auto",
         stop: Sequence[str] = (),
         chat: bool = False,
         skip: SkipSet | str | None = None,
         draft: DraftConfig | None = None,
         profile_file: str | Path | None = None,
         tag: str | None = None,
+        learner: str = SHARED_LEARNER,
         **knobs,
     ) -> tuple[Request, Policy]:
         """`draft` or its fields as keywords (max_draft, threshold, ngram, draft_vocab,
-        branches, ...; see DraftConfig) set the drafting knobs the policy works with."""
+        branches, ...; see DraftConfig) set the drafting knobs the policy works with.
+        `sampling_mode`: gumbel, rejection or auto (see SamplingParams.mode)."""
         if method == "hf":
             raise ValueError("method 'hf' (transformers' generate) has no streaming; use generate()")
         unknown = sorted(set(knobs) - set(DraftConfig.__dataclass_fields__) - {"skip", "probe"})
         if unknown:
             raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
         draft = replace(draft or default_draft(method), **knobs)
-        sampling = SamplingParams(temperature, top_p, top_k, seed)
-        request = Request(prompt, max_new_tokens, method, sampling, tuple(stop), chat, tag)
+        sampling = SamplingParams(temperature, top_p, top_k, seed, sampling_mode)
+        request = Request(prompt, max_new_tokens, method, sampling, tuple(stop), chat, tag, learner)
         if policy is None:
             policy = self.policy(method, skip, draft, profile_file)
         if max_new_tokens < 1:

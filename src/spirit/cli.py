@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from spirit.model.bundled import BUNDLED, DEFAULT_MODEL
+from spirit.sampling import SAMPLING_MODES
 
 
 class CLIError(Exception):
@@ -37,7 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="spirit", help="spirit, sp2ec, swift, dv, static, vanilla or hf (default spirit)")
+    p.add_argument("--method", default="spirit", help="spirit, fixed, lookup, sp2ec, swift, dv, static, vanilla or hf (default spirit)")
     p.add_argument("--skip", default=None, help="skip set for --method static, e.g. 'attn:4,9;mlp:4,9,12'")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-draft", type=int, default=25, help="most tokens drafted per round (SWIFT: 25)")
@@ -55,6 +56,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--sampling-mode", default="auto", choices=SAMPLING_MODES,
+                   help="gumbel: a seeded request's text is plain seeded decoding's whatever the draft; "
+                        "rejection: speculative sampling; auto (default): gumbel when --seed is given")
     p.add_argument("--profile-file", default=None, help="load and save the policy's learned state here")
 
 
@@ -106,7 +110,7 @@ def load_for_cli(args: argparse.Namespace):
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens, method=args.method, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, skip=args.skip,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, sampling_mode=args.sampling_mode, skip=args.skip,
         draft=draft_config(args), profile_file=args.profile_file,
     )
 
@@ -150,6 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         payload = result.to_dict()
         payload["model"] = lm.name
         payload["dtype"] = str(lm.dtype).removeprefix("torch.")
+        payload["exactness"] = lm.exactness.to_dict()
         print(json.dumps(payload))
     elif args.stats:
         s = result.stats
@@ -159,6 +164,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"draft {s.counters.draft_time_s:.2f}s / verify {s.counters.verify_time_s:.2f}s{_sol_note(lm, s)}",
             file=sys.stderr,
         )
+        # the output is a function of the dtype and of whether verification is bit-exact here
+        print(f"[{lm.name} {str(lm.dtype).removeprefix('torch.')}] {lm.exactness.reason}", file=sys.stderr)
     return 0
 
 

@@ -31,13 +31,14 @@ from spirit.drafts.tree import MAX_NODES, DraftTree
 from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import Policy, RequestInfo, VanillaPolicy, ModelInfo
-from spirit.sampling import SamplingParams, probabilities, sample
+from spirit.sampling import GumbelNoise, SamplingParams, pick, probabilities, randomness
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import Counters, GenerationStats, WindowStats
-from spirit.verify import verify_tree_greedy, verify_tree_sampling
+from spirit.verify import verify_tree_greedy, verify_tree_gumbel, verify_tree_sampling
 
 _NO_SKIP = SkipSet()
 PROBE_TOKENS = 32  # committed tokens a teacher-forced agreement probe scores
+SHARED_LEARNER = "shared"  # the learned draft state every request uses unless told otherwise
 
 
 class ContextLengthError(ValueError):
@@ -68,11 +69,18 @@ class Engine:
         self.model = model
         self.max_context = max_context or model.shape.max_positions
         self._requests = 0
-        # reduced-vocabulary draft heads and the token frequencies they come from, learned
-        # from every request this engine serves
-        self.heads = DraftHeads(model.lm_head.weight)
+        # reduced-vocabulary draft heads and the token frequencies they come from, one set per
+        # learner: a request learns from and drafts with its learner's only. Every request
+        # shares one unless its caller names another (the benchmark gives each method its
+        # own, so no method drafts from another's output)
+        self.heads = DraftHeads(model.lm_head.weight)  # the shared learner's
+        self.learners: dict[str, DraftHeads] = {SHARED_LEARNER: self.heads}
         self._quantized: dict[int, QuantizedMLPs] = {}  # draft bits -> the MLPs at those bits
         self.quantized_cache = quantized_cache  # where quantized MLPs are kept: "<it>-int4.pt"
+        # Every full-model pass after prefill is exact (row-wise attention, padded to the rows
+        # this machine's kernels need) where the load-time check found that the kernels allow it:
+        # then each verified token's logits are bit-identical to a plain step's.
+        self.exact = model.exactness.exact
 
     def quantized_mlps(self, bits: int) -> QuantizedMLPs | None:
         """The model's MLPs quantized to `bits` for drafts (None for 0), on first use: built
@@ -85,6 +93,17 @@ class Engine:
                 path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}.pt")
             self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path)
         return self._quantized[bits]
+
+    def draft_heads(self, learner: str = SHARED_LEARNER) -> DraftHeads:
+        """The learned draft state of `learner`, fresh (the rank prior alone) on first use."""
+        if learner not in self.learners:
+            self.learners[learner] = DraftHeads(self.model.lm_head.weight)
+        return self.learners[learner]
+
+    def forget(self, learner: str) -> None:
+        """Drop what `learner` learned (e.g. a throwaway warm-up's); the shared one stays."""
+        if learner != SHARED_LEARNER:
+            self.learners.pop(learner, None)
 
     @property
     def info(self) -> ModelInfo:
@@ -106,29 +125,33 @@ class Engine:
         policy: Policy | None = None,
         tag: str | None = None,
         stop_requested: Callable[[], bool] | None = None,
+        learner: str = SHARED_LEARNER,
     ) -> Iterator[list[int]]:
         """Yield newly committed token ids as they are produced; return GenerationStats.
 
         Stops at max_new_tokens, right after an EOS token (which is included), or when
         `stop_requested()` turns true after a yield (a stop string, a client that left).
+        The reduced draft head is `learner`'s, and learns this request's prompt and output.
         """
         self.check_fits(len(prompt_ids), settings.max_new_tokens)
         policy = policy or VanillaPolicy(self.info)
         self._requests += 1
         request = RequestInfo(self._requests, tuple(prompt_ids), settings.max_new_tokens, tag)
         sampling = settings.sampling
-        generator = None if sampling.greedy else sampling.generator()
+        # a generator (rejection mode) or per-position Gumbel noise (gumbel mode; sampling.py)
+        generator = randomness(sampling, self.model.shape.vocab_size)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
 
         config = policy.start_request(request)
-        self.heads.table.observe(prompt_ids)  # a prompt's tokens are likely to be copied
-        self.heads.table.pin(settings.eos_token_ids)
+        heads = self.draft_heads(learner)
+        heads.table.observe(prompt_ids)  # a prompt's tokens are likely to be copied
+        heads.table.pin(settings.eos_token_ids)
         lookup = NgramIndex()
         cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
         prompt = torch.tensor([prompt_ids])
         logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
-        first = self._pick(logits, sampling, generator)
+        first = self._pick(logits, sampling, generator, len(prompt_ids))
         ids = list(prompt_ids) + [first]
         stats.prefill_time_s = time.perf_counter() - t_start
         budget = settings.max_new_tokens - 1
@@ -143,7 +166,7 @@ class Engine:
             if window.config.speculative:
                 new = self._speculative_round(
                     ids, cache, window.config, sampling, generator, budget, window.counters, lookup,
-                    settings.eos_token_ids,
+                    settings.eos_token_ids, heads,
                 )
             else:
                 new = self._plain_step(ids, cache, sampling, generator, window.counters)
@@ -161,25 +184,27 @@ class Engine:
                 window = self._close_window(window, request, policy, stats, len(ids), final=False)
 
         self._close_window(window, request, policy, stats, len(ids), final=True)
-        self.heads.table.observe(ids[len(prompt_ids) :])
+        heads.table.observe(ids[len(prompt_ids) :])
         stats.new_tokens = len(ids) - len(prompt_ids)
         stats.wall_time_s = time.perf_counter() - t_start
         return stats
 
     # -- one step of each kind -------------------------------------------------------------
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        return sample(probabilities(logits, sampling), generator)
+    def _pick(
+        self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | GumbelNoise | None,
+        position: int,
+    ) -> int:
+        """The token at absolute `position` (its index in prompt + output)."""
+        return pick(logits, sampling, generator, position)
 
     def _plain_step(
         self, ids: list[int], cache, sampling: SamplingParams, generator, counters: Counters
     ) -> list[int]:
         t0 = time.perf_counter()
         committed = len(ids) - 1
-        logits = self.model.forward(torch.tensor([[ids[-1]]]), committed, cache, _NO_SKIP, last_only=True)[0]
-        token = self._pick(logits, sampling, generator)
+        logits = self.model.forward(torch.tensor([[ids[-1]]]), committed, cache, _NO_SKIP, exact=self.exact)[0]
+        token = self._pick(logits, sampling, generator, committed + 1)
         counters.verify_time_s += time.perf_counter() - t0
         return [token]
 
@@ -194,28 +219,33 @@ class Engine:
         counters: Counters,
         lookup: NgramIndex,
         stop_ids: frozenset[int] = frozenset(),
+        heads: DraftHeads | None = None,
     ) -> list[int]:
         # drafting more than budget - 1 tokens cannot pay: the verification adds one more
         limit = min(config.max_draft, budget - 1, MAX_NODES - 1)
         if limit < 1:
             return self._plain_step(ids, cache, sampling, generator, counters)
         t0 = time.perf_counter()
-        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters, stop_ids)
+        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters, stop_ids, heads)
         if tree.drafted == 0:  # nothing to verify: this round is a plain step
             counters.draft_time_s += time.perf_counter() - t0
             return self._plain_step(ids, cache, sampling, generator, counters)
+        if self.exact and tree.size > self.model.exactness.max_rows:
+            tree = tree.truncated(self.model.exactness.max_rows)  # larger passes are not row-invariant here
         t1 = time.perf_counter()
         committed = len(ids) - 1
         verify_input = torch.tensor([tree.tokens])
         if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
-            target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP)  # [size, vocab]
+            target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP, exact=self.exact)  # [size, vocab]
         else:
             target_logits = self.model.forward(
                 verify_input, committed, cache, _NO_SKIP,
-                positions=tree.positions(committed), visible=tree.visible(committed),
+                positions=tree.positions(committed), visible=tree.visible(committed), exact=self.exact,
             )
         if sampling.greedy:
             verdict = verify_tree_greedy(tree, target_logits)
+        elif isinstance(generator, GumbelNoise):
+            verdict = verify_tree_gumbel(tree, target_logits, sampling, generator, committed)
         else:
             verdict = verify_tree_sampling(tree, probabilities(target_logits, sampling), generator)
         cache.keep_path(committed + 1, [committed + node for node in verdict.path])
@@ -229,7 +259,7 @@ class Engine:
 
     def _propose(
         self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters,
-        stop_ids: frozenset[int] = frozenset(),
+        stop_ids: frozenset[int] = frozenset(), heads: DraftHeads | None = None,
     ) -> DraftTree:
         """Prompt lookup first (free); the skipping model when lookup finds no match (with a
         skip draft on offer, no match of STRONG_MATCH tokens): the policy measures
@@ -242,7 +272,7 @@ class Engine:
                 return tree
         if config.skip is None:
             return DraftTree(ids[-1])
-        head = self.heads.head(config.draft_vocab)
+        head = (heads or self.heads).head(config.draft_vocab)
         mlps = self.quantized_mlps(config.draft_bits)
         return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head, mlps, stop_ids)
 

@@ -4,7 +4,8 @@ Terms, used the same way everywhere in spirit (engine, stats, benchmark, server)
 - *draft tokens* d_1..d_k: proposed by the draft pass.
 - *accepted tokens*: the longest prefix d_1..d_n that verification keeps (0 <= n <= k).
 - *recovered token*: when d_{n+1} is rejected, the token the full model emits in its place
-  (greedy: its argmax; sampling: a draw from the residual distribution).
+  (greedy: its argmax; sampling: a draw from the residual distribution; Gumbel mode: the
+  argmax of its perturbed scores).
 - *bonus token*: when all k are accepted, the full model's token after d_k, which the same
   verification pass produced for free.
 Each verification therefore commits n + 1 tokens: n accepted plus one recovered-or-bonus.
@@ -13,16 +14,22 @@ Sampling follows speculative sampling (Leviathan et al., 2023, "Fast Inference f
 Transformers via Speculative Decoding", Alg. 1; Chen et al., 2023): accept d_j with
 probability min(1, p(d_j) / q(d_j)); on rejection draw from norm(max(0, p - q)). The
 committed tokens are then distributed exactly as the full model's own samples.
+
+Gumbel mode (sampling.py) fixes the noise of every position in advance, so the full model's
+token at each node is determined, as in greedy decoding: argmax(log p + g) instead of
+argmax(logits). Verification is then greedy verification of those perturbed scores, and the
+committed tokens are the ones plain Gumbel-max decoding with the same seed commits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from spirit.drafts.tree import DraftTree
-from spirit.sampling import sample
+from spirit.sampling import GumbelNoise, SamplingParams, gumbel_pick, sample
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,37 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerd
     """target_logits: [size, vocab], row i scores the token after node i. From the root,
     follow the child whose token is the full model's argmax; stop where none is."""
     target_tokens = target_logits.argmax(dim=-1).tolist()  # [size]
+    return _follow(tree, target_tokens.__getitem__)
+
+
+def verify_tree_gumbel(
+    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, noise: GumbelNoise, root_position: int
+) -> TreeVerdict:
+    """Gumbel-mode verification (exact sampling by the Gumbel-max trick; see sampling.py).
+
+    target_logits: [size, vocab], row i scores the token after node i; the root (the pending
+    token) sits at absolute position `root_position`, so the token after node i is at
+    root_position + depth(i) + 1, and the full model's token there is argmax(log p_i + g)
+    with that position's noise g. From the root, follow the child holding it; stop where none does.
+    Drafts may come from anywhere (their q plays no part): the verdict depends only on the
+    target and the noise. Only the rows on the followed path are processed.
+    """
+
+    def target_token(node: int) -> int:
+        return gumbel_pick(target_logits[node], params, noise.at(root_position + tree.depths[node] + 1))
+
+    return _follow(tree, target_token)
+
+
+def _follow(tree: DraftTree, target_token: Callable[[int], int]) -> TreeVerdict:
+    """The accepted path when the full model's token after each node is determined
+    (`target_token(node)`): from the root, follow the child holding it; where no child
+    does, that token is the recovered one (or the bonus one, past a leaf)."""
     node, path = 0, []
-    while (nxt := tree.child(node, target_tokens[node])) is not None:
+    while (nxt := tree.child(node, token := target_token(node))) is not None:
         path.append(nxt)
         node = nxt
-    return TreeVerdict(path, target_tokens[node])
+    return TreeVerdict(path, token)
 
 
 def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> TreeVerdict:

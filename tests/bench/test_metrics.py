@@ -4,7 +4,8 @@ import pytest
 
 from spirit.bench.answers import accept_lengths, answer_record
 from spirit.bench.metrics import (
-    OVERALL, QuestionRun, TurnResult, aggregate, compare_lossless, decoding_steps, first_divergence, summarize,
+    OVERALL, Figures, QuestionRun, TurnResult, aggregate, compare_lossless, decoding_steps, first_divergence, speedup,
+    summarize,
 )
 from spirit.bench.questions import Question
 from spirit.stats import Counters, GenerationStats
@@ -143,27 +144,17 @@ def test_compare_lossless_reports_divergence_and_skips_later_turns():
     assert not ll.lossless and ll.rate == 0.5
     assert ll.identical_questions == 1 and ll.turns_compared == 2  # turn 2 of q2 follows a divergence
     (d,) = ll.divergences
-    assert (d.question_id, d.turn, d.position, d.baseline_token, d.method_token) == (2, 0, 1, 21, 99)
+    assert (d.method, d.question_id, d.category, d.turn, d.position) == ("bad", 2, "qa", 0, 1)
+    assert (d.baseline_token, d.method_token) == (21, 99)
     assert d.baseline_piece == "21" and d.method_piece == "99"
     assert d.baseline_context == "20,21,22" and d.method_context == "20,99,22"
-    assert ll.to_dict()["lossless"] is False
+    data = ll.to_dict()
+    assert data["lossless"] is False and data["divergences"][0]["method"] == "bad"
+    assert "margin" not in data["divergences"][0] and "near_tie" not in data["divergences"][0]
 
 
-def test_divergence_reports_the_full_models_logit_margin():
-    prompt = [7, 8]
-    base = [QuestionRun("vanilla", Q1, [TurnResult("t", [10, 11, 12], stats(3, 1.0), "length", prompt)], slot=0)]
-    bad = [QuestionRun("bad", Q1, [TurnResult("t", [10, 99, 12], stats(3, 1.0), "length", prompt)], slot=0)]
-    calls = []
-
-    def margin(prompt_ids, prefix, a, b):
-        calls.append((prompt_ids, prefix, a, b))
-        return 0.2 if b == 99 else 3.0
-
-    (d,) = compare_lossless(base + bad, margin=margin)["bad"].divergences
-    assert calls == [([7, 8], [10], 11, 99)]
-    assert d.margin == 0.2 and d.near_tie is True
-    assert d.to_dict()["near_tie"] is True
-    (d2,) = compare_lossless(base + bad, margin=lambda *a: 3.0)["bad"].divergences
-    assert d2.near_tie is False
-    (d3,) = compare_lossless(base + bad)["bad"].divergences
-    assert d3.margin is None and d3.near_tie is None
+def test_speedup_is_one_definition():
+    assert speedup(Figures(tokens_per_s=6.0), Figures(tokens_per_s=4.0)) == pytest.approx(1.5)
+    assert speedup(Figures(tokens_per_s=6.0), Figures()) is None
+    table = summarize(base_runs() + spec_runs())
+    assert table["static"][OVERALL].speedup == speedup(table["static"][OVERALL], table["vanilla"][OVERALL])

@@ -1,10 +1,12 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from spirit.bench.questions import (
-    Question, QuestionFileError, load_questions, resolve_questions_path, select, stream_blocks,
+    QUICK_QUESTIONS, SPEC_BENCH_URL, Question, QuestionFileError, load_questions, questions_path, sample, select,
+    stream_blocks,
 )
 
 
@@ -68,11 +70,37 @@ def test_stream_blocks_take_fresh_questions_for_a_repeated_category(tmp_path):
     assert [q.question_id for q in blocks[2].questions] == [5, 1]  # continues, then wraps
 
 
-def test_resolve_questions_path(tmp_path):
-    assert str(resolve_questions_path("x.jsonl")) == "x.jsonl"
-    data = tmp_path / "shared" / "data" / "specbench"
-    data.mkdir(parents=True)
-    (data / "dev.jsonl").write_text(json.dumps(QUESTIONS[0]) + "\n")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    assert resolve_questions_path(None, cwd=repo) == (data / "dev.jsonl").resolve()
+def test_sample_draws_per_category_by_seed(tmp_path):
+    many = [{"question_id": i, "category": "qa" if i % 3 else "math", "turns": [f"t{i}"]} for i in range(30)]
+    qs = load_questions(write(tmp_path, many))
+    picked = sample(qs, 3, seed=1)
+    assert [q.category for q in picked].count("qa") == 3 and [q.category for q in picked].count("math") == 3
+    ids = [q.question_id for q in picked]
+    assert ids == sorted(ids)  # file order
+    assert sample(qs, 3, seed=1) == picked  # the seed decides
+    assert any(sample(qs, 3, seed=s) != picked for s in range(2, 6))
+    assert ids != [q.question_id for q in select(qs, per_category=3)]  # not simply the first ones
+    # a category's draw does not depend on which other categories run
+    assert [q for q in picked if q.category == "qa"] == sample(qs, 3, seed=1, categories=["qa"])
+    assert len(sample(qs, 100, seed=0)) == 30  # a small category runs whole
+    with pytest.raises(ValueError, match="--sample must be >= 1"):
+        sample(qs, 0, seed=0)
+    with pytest.raises(QuestionFileError, match="unknown category"):
+        sample(qs, 1, seed=0, categories=["poetry"])
+
+
+def test_questions_path():
+    assert str(questions_path("x.jsonl")) == "x.jsonl"
+    assert questions_path("x.jsonl", quick=True) == Path("x.jsonl")
+    assert questions_path(None, quick=True) == QUICK_QUESTIONS
+    with pytest.raises(QuestionFileError, match=re.escape(SPEC_BENCH_URL)):
+        questions_path(None)
+
+
+def test_the_quick_questions_ship_in_the_package_with_their_source():
+    qs = load_questions(QUICK_QUESTIONS)
+    assert {q.category for q in qs} == {"writing", "coding", "qa", "math_reasoning"}
+    assert len(qs) == 4
+    source = (QUICK_QUESTIONS.parent / "SOURCE.md").read_text()
+    assert "Spec-Bench" in source and "Apache-2.0" in source
+    assert all(str(q.question_id) in source for q in qs)

@@ -7,12 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-# --quick: the bundled small model on one question of four categories with short prompts
-# (MT-Bench's two-turn "writing" included; summarization and rag prompts run to ~1k tokens),
-# 32 tokens a turn: 15 answers, a few minutes on 2 idle cores (~10 when shared 3 ways).
+# --quick: the bundled small model on the one question of each of four categories shipped in
+# the package (bench/data/: short prompts whose licenses allow shipping them; MT-Bench's
+# two-turn "writing" and "coding" included), 32 tokens a turn: 24 answers, a few minutes on
+# 2 idle cores (9.5 minutes measured on 2 cores shared with other jobs). `fixed` runs too,
+# so even a quick run shows what spirit's policy adds over its draft levers.
 QUICK_MODEL = "smollm2-135m"
-QUICK_METHODS = ("vanilla", "static", "spirit")
-QUICK_CATEGORIES = ("writing", "qa", "math_reasoning", "translation")
+QUICK_METHODS = ("vanilla", "static", "fixed", "spirit")
+QUICK_CATEGORIES = ("writing", "coding", "qa", "math_reasoning")
 QUICK_PER_CATEGORY = 1
 QUICK_MAX_NEW_TOKENS = 32
 DEFAULT_MAX_NEW_TOKENS = 128  # Spec-Bench's MT-Bench setting is 1024; 128 keeps CPU runs short
@@ -38,11 +40,15 @@ def register(subparsers) -> None:
     _add_model_args(p)
     p.set_defaults(model=None)  # None: the bundled default, or the small model with --quick
     p.add_argument("--questions", default=None,
-                   help="Spec-Bench question JSONL (default ../shared/data/specbench/dev.jsonl)")
+                   help="question file in Spec-Bench's format (JSONL), e.g. Spec-Bench's own question.jsonl; "
+                        "required except with --quick, which runs the few questions shipped with spirit")
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (default: every registered one plus hf; vanilla is always added)")
     p.add_argument("--categories", default=None, help="comma-separated categories to run (default all)")
     p.add_argument("--per-category", type=int, default=None, help="first N questions of each category (default all)")
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="N questions drawn at random from each category (instead of the first N); see --seed")
+    p.add_argument("--seed", type=int, default=None, help="seed of --sample's draw (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
     p.add_argument("--skip", default=None,
                    help="skip set for 'static', e.g. 'attn:4,9;mlp:4,9,12' (default: MLPs of every other middle layer, ~20%%)")
@@ -61,7 +67,7 @@ def register(subparsers) -> None:
 def plan(args: argparse.Namespace) -> dict:
     """Everything the run needs, from the arguments alone (no model loaded): checked here so
     that bad input fails before a model is loaded."""
-    from spirit.bench.questions import load_questions, resolve_questions_path, select, stream_blocks
+    from spirit.bench.questions import load_questions, questions_path, sample, select, stream_blocks
     from spirit.bench.runner import available_methods, with_baseline
     from spirit.model.bundled import DEFAULT_MODEL
     from spirit.skipset import SkipSet
@@ -85,11 +91,15 @@ def plan(args: argparse.Namespace) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
     skip = SkipSet.parse(args.skip) if args.skip else None
 
-    questions = load_questions(resolve_questions_path(args.questions))
+    if args.sample is not None and args.per_category is not None:
+        raise ValueError("--sample and --per-category both choose how many questions a category runs; give one")
+    if args.seed is not None and args.sample is None:
+        raise ValueError("--seed needs --sample")
+    questions = load_questions(questions_path(args.questions, quick=args.quick))
     blocks = None
     if args.stream is not None:
-        if args.categories or args.per_category is not None:
-            raise ValueError("--stream chooses its own questions; drop --categories / --per-category")
+        if args.categories or args.per_category is not None or args.sample is not None:
+            raise ValueError("--stream chooses its own questions; drop --categories / --per-category / --sample")
         blocks = stream_blocks(questions, _split(args.stream), _given(args.per_block, DEFAULT_PER_BLOCK))
         chosen = None
     else:
@@ -99,8 +109,10 @@ def plan(args: argparse.Namespace) -> dict:
         if args.quick and not args.categories:
             present = {q.category for q in questions}
             categories = [c for c in categories if c in present] or None
-        per_category = _given(args.per_category, QUICK_PER_CATEGORY if args.quick else None)
-        chosen = select(questions, categories, per_category)
+        if args.sample is not None:
+            chosen = sample(questions, args.sample, _given(args.seed, 0), categories)
+        else:
+            chosen = select(questions, categories, _given(args.per_category, QUICK_PER_CATEGORY if args.quick else None))
     model = args.model or (QUICK_MODEL if args.quick else DEFAULT_MODEL)
     out = Path(args.out) if args.out else Path("results") / f"{'quick' if args.quick else 'bench'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return dict(model=model, methods=methods, max_new_tokens=max_new, skip=skip, questions=chosen, blocks=blocks, out=out)
@@ -132,16 +144,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def summary(result) -> str:
     """A few lines for the terminal: overall figures per method."""
     from spirit.bench.metrics import OVERALL
+    from spirit.bench.report import exactness_line, lossless_cell
 
     table = result.by_category()
     lossless = result.lossless()
-    lines = [f"{'method':10s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'tok/step':>8s}  lossless"]
+    lines = [f"{'method':10s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'tok/step':>8s}  identical to vanilla"]
     for method, row in table.items():
         f = row[OVERALL]
-        ll = lossless.get(method)
-        ll_text = "reference" if ll is None else f"{ll.identical_questions}/{ll.questions}" + ("" if ll.lossless else "  NOT LOSSLESS")
         lines.append(f"{method:10s} {f.tokens_per_s:8.2f} {(f.speedup or 0):7.2f}x {f.counters.acceptance_rate:7.2f} "
-                     f"{f.committed_per_step:8.2f}  {ll_text}")
+                     f"{f.committed_per_step:8.2f}  {lossless_cell(method, lossless.get(method))}")
+    lines.append(exactness_line(result.exactness))
     if result.blocks:
         blocks = result.by_block()
         lines.append("stream tokens/s per block: " + "; ".join(

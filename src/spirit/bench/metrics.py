@@ -4,7 +4,8 @@ Conventions (per-request metrics are those of spirit.stats and are not redefined
 - *tokens/s of a question* = its new tokens over its wall time, summed over its turns
   (prefill included); *tokens/s of a group* (a category, a block, a method overall) = the
   mean over its questions. This is Spec-Bench's `speed.py`.
-- *speedup* = a group's tokens/s over vanilla's tokens/s on the same questions.
+- *speedup* = a group's tokens/s over vanilla's tokens/s on the same questions (`speedup`;
+  `spirit bench` and benchmarks/ablation.py both use it).
 - *acceptance rate* and *mean accepted* come from the group's summed `Counters`: accepted /
   drafted, and accepted drafts per draft round (bonus token NOT included).
 - *decoding steps* of a turn = full-model passes that committed tokens: the prefill, each
@@ -14,6 +15,9 @@ Conventions (per-request metrics are those of spirit.stats and are not redefined
   prefill, see spirit.stats), probing, and the rest of the wall time (policy, tokenizer).
 - *peak RSS* of a group: the highest resident set size of the process sampled while its
   questions ran; one process holds one copy of the weights for all methods.
+- *identical*: a method's greedy tokens equal vanilla's, token for token, on every turn of a
+  question. Speculation is lossless, so for spirit's methods anything less is a bug; for
+  `hf` (transformers' own generate) it measures transformers, not spirit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from spirit.bench.questions import Question
 from spirit.stats import Counters, GenerationStats
 
 BASELINE = "vanilla"
+# methods that are another library's decoding, not spirit's: their agreement with vanilla is
+# a property of that library, reported apart from spirit's lossless check
+OTHER_ENGINES = {"hf": "transformers' generate"}
 
 
 @dataclass
@@ -33,7 +40,6 @@ class TurnResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str
-    prompt_ids: list[int] = field(default_factory=list)  # what the model saw for this turn
 
 
 @dataclass
@@ -170,24 +176,25 @@ def summarize(runs: list[QuestionRun], key=lambda run: run.question.category, ba
         for method, row in table.items():
             for group, fig in row.items():
                 base = table[baseline].get(group)
-                if base is not None and base.tokens_per_s > 0:
-                    fig.speedup = fig.tokens_per_s / base.tokens_per_s
+                if base is not None:
+                    fig.speedup = speedup(fig, base)
     return table
 
 
+def speedup(group: Figures, baseline: Figures) -> float | None:
+    """The one definition of speedup: a group's tokens/s (the mean over its questions of new
+    tokens / wall time) over the baseline's on the same questions; None without a baseline speed."""
+    return group.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s > 0 else None
+
+
 # -- losslessness ------------------------------------------------------------------------
-
-
-# logits. Measured on qwen2.5-coder-1.5b in bf16 (3 prompts x 24 positions, k = 4, 8, 16): a
-# k-token pass moves each logit by at most 0.25 from one-token steps, so the gap between two
-# tokens by at most 0.5; a smaller gap is a tie that rounding may flip
-NEAR_TIE = 0.5
 
 
 @dataclass(frozen=True)
 class Divergence:
     """Where a method's greedy tokens first differ from the baseline's."""
 
+    method: str
     question_id: int | str
     category: str
     turn: int  # 0-based
@@ -198,16 +205,9 @@ class Divergence:
     method_context: str = ""
     baseline_piece: str = ""  # the differing token, decoded
     method_piece: str = ""
-    # the full model's logit of the baseline token minus the method's, after the common
-    # prefix: a near-tie (see NEAR_TIE) is bf16 rounding of a batched pass, a clear one a bug
-    margin: float | None = None
-
-    @property
-    def near_tie(self) -> bool | None:
-        return None if self.margin is None else abs(self.margin) < NEAR_TIE
 
     def to_dict(self) -> dict:
-        return dict(vars(self), near_tie=self.near_tie)
+        return dict(vars(self))
 
 
 def first_divergence(reference: list[int], candidate: list[int]) -> tuple[int, int | None, int | None] | None:
@@ -257,14 +257,13 @@ class Lossless:
 
 
 def compare_lossless(
-    runs: list[QuestionRun], decode=None, baseline: str = BASELINE, context_tokens: int = 12, margin=None
+    runs: list[QuestionRun], decode=None, baseline: str = BASELINE, context_tokens: int = 12
 ) -> dict[str, Lossless]:
     """Compare every method's tokens with the baseline's, question by question.
 
     Turns are compared in order; once a turn diverges the later turns had different prompts
     (each method continues its own conversation, as Spec-Bench does) and are not compared.
-    `decode(ids) -> str` renders the text around a divergence; `margin(prompt_ids, prefix,
-    a, b) -> float` gives the full model's logit gap between the two tokens there.
+    `decode(ids) -> str` renders the text around a divergence.
     """
     decode = decode or (lambda ids: " ".join(map(str, ids)))
     reference = {r.slot: r for r in runs if r.method == baseline}
@@ -290,11 +289,9 @@ def compare_lossless(
             lo = max(0, pos - context_tokens)
             result.divergences.append(
                 Divergence(
-                    run.question.question_id, run.question.category, t, pos, bt, mt,
+                    run.method, run.question.question_id, run.question.category, t, pos, bt, mt,
                     decode(b.token_ids[lo : pos + context_tokens]), decode(m.token_ids[lo : pos + context_tokens]),
                     decode([bt]) if bt is not None else "<end>", decode([mt]) if mt is not None else "<end>",
-                    margin(b.prompt_ids, b.token_ids[:pos], bt, mt)
-                    if margin is not None and bt is not None and mt is not None and b.prompt_ids else None,
                 )
             )
             same = False

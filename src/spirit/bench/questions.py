@@ -10,12 +10,16 @@ Multi-turn questions (MT-Bench's) are asked turn by turn; see `runner.py`.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 # Spec-Bench's six reported tasks: MT-Bench's eight categories count as one ("mt_bench").
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-DEFAULT_QUESTIONS = Path("..") / "shared" / "data" / "specbench" / "dev.jsonl"
+# The few questions `spirit bench --quick` runs, shipped in the package (data/SOURCE.md says
+# where they come from and under which licenses); every other run names its question file.
+QUICK_QUESTIONS = Path(__file__).resolve().parent / "data" / "quick.jsonl"
+SPEC_BENCH_URL = "https://github.com/hemingkx/Spec-Bench/blob/main/data/spec_bench/question.jsonl"
 
 
 class QuestionFileError(ValueError):
@@ -128,18 +132,30 @@ def stream_blocks(questions: list[Question], categories: list[str], per_block: i
     return blocks
 
 
-def resolve_questions_path(given: str | None, cwd: Path | None = None) -> Path:
-    """The question file to read: `given`, else Spec-Bench's dev half in ../shared, looked up
-    relative to the working directory and then to the repository holding this package."""
+def sample(questions: list[Question], per_category: int, seed: int, categories: list[str] | None = None) -> list[Question]:
+    """`per_category` questions drawn at random from each wanted category (all of a smaller
+    one), in file order. Each category's draw depends only on the seed and that category's
+    questions, so choosing more or fewer categories does not change the others' samples."""
+    if categories:
+        check_categories(categories, questions)
+    if per_category < 1:
+        raise ValueError(f"--sample must be >= 1, got {per_category}")
+    chosen: set[int] = set()
+    for category in categories or categories_of(questions):
+        indices = [i for i, q in enumerate(questions) if q.category == category]
+        rng = random.Random(f"{seed}:{category}")  # a str seed hashes the same in every process
+        chosen.update(rng.sample(indices, min(per_category, len(indices))))
+    return [q for i, q in enumerate(questions) if i in chosen]
+
+
+def questions_path(given: str | None, quick: bool = False) -> Path:
+    """The question file to read: `given`; with `quick`, the questions shipped in the package;
+    otherwise a user error that says where Spec-Bench's question file is."""
     if given:
         return Path(given)
-    cwd = cwd or Path.cwd()
-    repo_root = Path(__file__).resolve().parents[3]  # src/spirit/bench/questions.py -> repo
-    for base in (cwd, repo_root):
-        candidate = (base / DEFAULT_QUESTIONS).resolve()
-        if candidate.is_file():
-            return candidate
+    if quick:
+        return QUICK_QUESTIONS
     raise QuestionFileError(
-        f"no --questions given and {DEFAULT_QUESTIONS} was found neither under {cwd} nor under {repo_root}; "
-        "pass a Spec-Bench question file with --questions"
+        f"no --questions given: pass a question file in Spec-Bench's format, e.g. Spec-Bench's own "
+        f"question.jsonl from {SPEC_BENCH_URL}, or run --quick on the few questions shipped with spirit"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spirit.bench.answers import write_answers
 from spirit.bench.machine import peak_rss_bytes
-from spirit.bench.metrics import BASELINE, OVERALL, Figures, Lossless, QuestionRun
+from spirit.bench.metrics import BASELINE, OTHER_ENGINES, OVERALL, Figures, Lossless, QuestionRun
 from spirit.bench.runner import BenchResult
 
 
@@ -49,8 +49,21 @@ def _table_dict(table: dict) -> dict:
     return {m: {str(g): f.to_dict() for g, f in row.items()} for m, row in table.items()}
 
 
+def question_orders(result: BenchResult) -> list[dict]:
+    """Each question with the methods in the order they ran it."""
+    return [{"question_id": q.question_id, "slot": slot, "methods": result.order_of(slot)}
+            for slot, q in enumerate(result.questions)]
+
+
+def split_lossless(lossless: dict[str, Lossless]) -> tuple[dict[str, Lossless], dict[str, Lossless]]:
+    """(spirit's methods, other engines'): only the first is spirit's lossless claim."""
+    ours = {m: v for m, v in lossless.items() if m not in OTHER_ENGINES}
+    theirs = {m: v for m, v in lossless.items() if m in OTHER_ENGINES}
+    return ours, theirs
+
+
 def results_dict(result: BenchResult) -> dict:
-    lossless = result.lossless()
+    ours, theirs = split_lossless(result.lossless())
     timelines = {m: timeline(result.runs, m) for m in result.methods}
     return {
         "model": result.model,
@@ -58,16 +71,21 @@ def results_dict(result: BenchResult) -> dict:
         "methods": result.methods,
         "settings": result.settings,
         "machine": result.machine,
+        "exactness": result.exactness,
         "elapsed_s": round(result.elapsed_s, 3),
         "process_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
         "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)} for q in result.questions],
+        "question_orders": question_orders(result),
         "by_category": _table_dict(result.by_category()),
         "blocks": [
             {"index": b.index, "category": b.category, "question_ids": [q.question_id for q in b.questions]}
             for b in result.blocks
         ] if result.blocks else None,
         "by_block": _table_dict(result.by_block()) if result.blocks else None,
-        "lossless": {m: v.to_dict() for m, v in lossless.items()},
+        # spirit's methods against vanilla (lossless: any divergence is a bug) ...
+        "lossless": {m: v.to_dict() for m, v in ours.items()},
+        # ... and other engines against vanilla: a property of that engine, not of spirit
+        "other_engines_vs_vanilla": {m: {"engine": OTHER_ENGINES[m], **v.to_dict()} for m, v in theirs.items()},
         "sol": result.sol,
         "timeline": timelines,
         "config_segments": {m: config_segments(p) for m, p in timelines.items()},
@@ -111,15 +129,13 @@ def _speed_table(table: dict[str, dict[str, Figures]], label=str) -> list[str]:
 
 def _method_table(table: dict[str, dict[str, Figures]], lossless: dict[str, Lossless]) -> list[str]:
     head = ["method", "tokens/s", "speedup", "acceptance", "accepted/round", "tokens/step",
-            "prefill / draft / verify / other", "peak RSS MB", "lossless"]
+            "prefill / draft / verify / other", "peak RSS MB", "identical to vanilla"]
     lines = [_row(head), _row(["---"] * len(head))]
     for method, row in table.items():
         f = row[OVERALL]
         c = f.counters
         split = f.time_split()
-        ll = lossless.get(method)
-        ll_text = "reference" if method == BASELINE else (
-            "n/a" if ll is None else f"{'yes' if ll.lossless else 'NO'} ({ll.identical_questions}/{ll.questions})")
+        ll_text = lossless_cell(method, lossless.get(method))
         lines.append(_row([
             method, f"{f.tokens_per_s:.2f}", f"{f.speedup:.2f}x" if f.speedup is not None else "",
             f"{c.acceptance_rate:.2f}" if c.drafted else "-", f"{c.mean_accepted:.2f}" if c.draft_rounds else "-",
@@ -131,33 +147,87 @@ def _method_table(table: dict[str, dict[str, Figures]], lossless: dict[str, Loss
     return lines
 
 
-def _lossless_section(lossless: dict[str, Lossless], limit: int = 10) -> list[str]:
-    lines = ["## Losslessness (greedy tokens compared with vanilla's)", ""]
+def lossless_cell(method: str, ll: Lossless | None) -> str:
+    """A method's identical questions, in a table cell: "reference" for vanilla; another
+    engine's agreement (hf) is labelled as that engine's, not as spirit's losslessness."""
+    if method == BASELINE:
+        return "reference"
+    if ll is None:
+        return "n/a"
+    counts = f"{ll.identical_questions}/{ll.questions}"
+    if method in OTHER_ENGINES:
+        return f"{counts} agree ({OTHER_ENGINES[method]}, not spirit)"
+    return f"{'yes' if ll.lossless else 'NO'} ({counts})"
+
+
+def exactness_line(exactness: dict | None) -> str:
+    """Whether the loaded model claims bit-exact verification on this machine, and why."""
+    if exactness is None:
+        return "bit-exact verification: not stated (this model object reports no exactness check)"
+    claim = "claimed on this machine" if exactness.get("exact") else "NOT claimed on this machine"
+    return f"bit-exact verification: {claim} ({exactness.get('reason')})"
+
+
+def divergence_lines(divergences) -> list[str]:
+    """Every divergence: where, the two tokens (id and text), and the text around them."""
+    lines = []
+    for d in divergences:
+        lines += [
+            f"- {d.method}, question {d.question_id} ({d.category}), turn {d.turn + 1}, token {d.position}: "
+            f"vanilla {d.baseline_token} `{_cell(d.baseline_piece)}` vs {d.method} {d.method_token} `{_cell(d.method_piece)}`",
+            f"  - vanilla: `{_cell(d.baseline_context)}`",
+            f"  - {d.method}: `{_cell(d.method_context)}`",
+        ]
+    return lines
+
+
+def _identical_table(lossless: dict[str, Lossless]) -> list[str]:
+    lines = [_row(["method", "identical questions", "identical turns", "rate", "divergences"]), _row(["---"] * 5)]
+    for m, ll in lossless.items():
+        lines.append(_row([m, f"{ll.identical_questions}/{ll.questions}", f"{ll.identical_turns}/{ll.turns_compared}",
+                           f"{100 * ll.rate:.1f}%", len(ll.divergences)]))
+    return lines
+
+
+def lossless_section(lossless: dict[str, Lossless], exactness: dict | None) -> list[str]:
+    """Identical rates against vanilla and every divergence: spirit's methods (where any
+    divergence is a bug), then other engines' agreement, labelled as theirs."""
+    ours, theirs = split_lossless(lossless)
+    lines = ["## Lossless: greedy tokens identical to vanilla's", "", f"- {exactness_line(exactness)}", ""]
     if not lossless:
         return lines + ["Only vanilla ran: nothing to compare.", ""]
-    lines += [_row(["method", "identical questions", "identical turns", "rate"]), _row(["---"] * 4)]
-    for m, ll in lossless.items():
-        lines.append(_row([m, f"{ll.identical_questions}/{ll.questions}", f"{ll.identical_turns}/{ll.turns_compared}", f"{100 * ll.rate:.1f}%"]))
-    lines.append("")
-    for m, ll in lossless.items():
-        if not ll.divergences:
-            continue
-        lines += [f"### {m}: {len(ll.divergences)} divergence(s)", "",
-                  "A later turn of a diverged question is not compared (its prompt differs). In bf16 a "
-                  "batched verification can round differently from one-token steps, so a near-tie can flip.", ""]
-        for d in ll.divergences[:limit]:
-            lines += [
-                f"- question {d.question_id} ({d.category}), turn {d.turn + 1}, token {d.position}: "
-                f"vanilla {d.baseline_token} `{_cell(d.baseline_piece)}` vs {m} {d.method_token} `{_cell(d.method_piece)}`"
-                + (f"; logit margin {d.margin:+.3f} ({'near-tie: rounding' if d.near_tie else 'CLEAR: a bug'})"
-                   if d.margin is not None else ""),
-                f"  - vanilla: `{_cell(d.baseline_context)}`",
-                f"  - {m}: `{_cell(d.method_context)}`",
-            ]
-        if len(ll.divergences) > limit:
-            lines.append(f"- ... {len(ll.divergences) - limit} more in results.json")
-        lines.append("")
+    if ours:
+        lines += ["Speculation is lossless: every method's greedy tokens must equal plain decoding's in this "
+                  "engine (vanilla), so each divergence below is a bug. A later turn of a diverged question is "
+                  "not compared (its prompt differs).", "", *_identical_table(ours), ""]
+        found = [d for ll in ours.values() for d in ll.divergences]
+        lines += [f"### Every divergence ({len(found)})", "", *(divergence_lines(found) or ["None."]), ""]
+    for m, ll in theirs.items():
+        lines += [f"### {m} against vanilla: a property of {OTHER_ENGINES[m]}, not of spirit", "",
+                  f"{m} agreed with vanilla on {ll.identical_questions}/{ll.questions} questions "
+                  f"({100 * ll.rate:.1f}%), {ll.identical_turns}/{ll.turns_compared} turns.", "",
+                  *divergence_lines(ll.divergences), ""]
     return lines
+
+
+def _order_section(result: BenchResult) -> list[str]:
+    """The rotation of methods, as the questions actually ran it."""
+    orders: dict[tuple[str, ...], list] = {}
+    for entry in question_orders(result):
+        orders.setdefault(tuple(entry["methods"]), []).append(entry["question_id"])
+    lines = ["## Order of methods", "", f"{result.settings.get('order', '')}.", "",
+             _row(["questions", "methods in order"]), _row(["---"] * 2)]
+    lines += [_row([", ".join(map(str, ids)), " ".join(order)]) for order, ids in orders.items()]
+    return lines + [""]
+
+
+def _learning_section(result: BenchResult) -> list[str]:
+    """What each method's kept state learned from (no method learns from another's output)."""
+    learned = result.settings.get("learned_from") or {}
+    lines = ["## What each method learned from", ""]
+    lines += [f"- {m}: {learned[m]}" for m in result.methods if m in learned]
+    return lines + ["- warm-ups: a throwaway policy and learned state per method, dropped before the measured run"
+                    if result.settings.get("warmup") else "- no warm-up", ""]
 
 
 def _config_section(segments: dict[str, list[dict]], limit: int = 25) -> list[str]:
@@ -188,6 +258,7 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
         f"max {result.settings.get('max_new_tokens')} new tokens, greedy; order: {result.settings.get('order')}, "
         f"after a warm-up: {result.settings.get('warmup')}",
         f"- static skip set: {result.settings.get('static_skip') or '-'}",
+        f"- {exactness_line(result.exactness)}",
         f"- total time {result.elapsed_s:.1f} s, process peak RSS {data['process_peak_rss_mb']:.0f} MB",
     ]
     sol = result.sol
@@ -216,7 +287,9 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
                   *_speed_table(result.by_block(), label=lambda g: labels.get(g, g)), ""]
     if "timeline" in plots:
         lines += [f"![tokens/s and skip ratio along the {'stream' if result.blocks else 'run'}]({plots['timeline']})", ""]
-    lines += _lossless_section(lossless)
+    lines += lossless_section(lossless, result.exactness)
+    lines += _order_section(result)
+    lines += _learning_section(result)
     lines += _config_section(data["config_segments"])
     lines += [
         "## Files", "",

@@ -4,13 +4,18 @@ The runner takes a loaded `Spirit` and questions; it never parses arguments or l
 (that is `spirit.bench.cli`). Each method is a `MethodRunner`, looked up by name, so tests can
 add a fake (for instance one that breaks losslessness on purpose).
 
-Order: after a warm-up of every method, question by question, every method in turn
-(A B C, A B C, ...), so slow drift of the machine (thermals, other tenants) hits all
-methods alike. Multi-turn questions run turn by turn within one method's turn, each method
-continuing its own conversation with the chat template, as Spec-Bench does.
+Order: after a warm-up of every method, question by question, every method in turn, the
+order rotated from question to question (question k starts with method k mod M: A B C,
+B C A, C A B, ...), so slow drift of the machine (thermals, other tenants) hits all methods
+alike and no method always runs first, right after another method's pass, or last.
+Multi-turn questions run turn by turn within one method's turn, each method continuing its
+own conversation with the chat template, as Spec-Bench does.
 
-Adaptive policies are kept per method inside the `Spirit`, so their state carries from one
-question to the next: a category run and a stream run are both one stream per method.
+No method learns from another's output: adaptive policies are kept per method inside the
+`Spirit`, and each method has its own learned draft state in the engine (its learner, named
+after it), so both carry from one question to the next of that method only: a category run
+and a stream run are both one stream per method. Warm-ups use throwaway policies and a
+throwaway learner, so the measured stream starts fresh.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from spirit.bench.questions import Block, Question
 from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
 
 WARMUP_TOKENS = 16  # enough to run the prefill and a few draft rounds of every method once
+WARMUP_LEARNER = "warm-up"  # the engine's learned draft state while warming up, dropped after
 
 
 class MethodRunner(Protocol):
@@ -38,27 +44,55 @@ class MethodRunner(Protocol):
 
 @dataclass(frozen=True)
 class SpiritMethod:
-    """A method of `Spirit.generate`: a registered policy name, or "hf"."""
+    """A method of `Spirit.generate`: a registered policy name, or "hf", with its own learned
+    draft state (`learner`, the method's name unless given)."""
 
     name: str
     skip: SkipSet | None = None  # only for policies that take one ("static")
+    draft: DraftConfig | None = None  # drafting knobs; None: the policy's default_draft
+    learner: str | None = None
+
+    @property
+    def learner_key(self) -> str:
+        return self.learner or self.name
 
     def _kwargs(self) -> dict:
-        return {"skip": self.skip} if self.skip is not None else {}
+        given = {"skip": self.skip, "draft": self.draft}
+        return {k: v for k, v in given.items() if v is not None}
 
     def __call__(self, lm, prompt, max_new_tokens, tag, *, warmup=False):
         chat = not isinstance(prompt, str)
         kwargs = dict(method=self.name, max_new_tokens=max_new_tokens, chat=chat, tag=tag, temperature=0.0)
         if warmup and self.name != "hf":
-            # a throwaway policy: the kept one must start the measured stream fresh
+            # a throwaway policy and learner: the kept ones must start the measured stream fresh
             from spirit.policies import REGISTRY, ModelInfo
 
             extra = {"skip": self.skip.validate(lm.num_layers)} if self.skip is not None else {}
-            draft = default_draft(self.name)
+            draft = self.draft or default_draft(self.name)
             lm.engine.quantized_mlps(draft.draft_bits)  # built or loaded once, like the weights
             policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), draft, **extra)
-            return lm.generate(prompt, policy=policy, **kwargs)
-        return lm.generate(prompt, **kwargs, **self._kwargs())
+            try:
+                return lm.generate(prompt, policy=policy, learner=WARMUP_LEARNER, **kwargs)
+            finally:
+                lm.engine.forget(WARMUP_LEARNER)
+        return lm.generate(prompt, learner=self.learner_key, **kwargs, **self._kwargs())
+
+    def learned_from(self) -> str:
+        """What this method's kept state learns from, for the report."""
+        from spirit.policies import REGISTRY, Policy
+
+        if self.name == "hf":
+            return "nothing: transformers' generate keeps no state between requests"
+        draft = self.draft or default_draft(self.name)
+        table = "its draft-head token table" if draft.draft_vocab else "a draft-head token table it does not use"
+        factory = REGISTRY.factories.get(self.name)
+        if factory is not None and not getattr(factory, "calibrated", True):
+            policy = "its policy: an offline calibration on fixed prompts of its own"
+        elif factory is not None and factory.learn is not Policy.learn:
+            policy = "its policy: the speeds of its own decoding windows"
+        else:
+            policy = "its policy keeps no state"
+        return f"its own prompts and outputs only ({table}, learner '{self.learner_key}'); {policy}"
 
 
 def available_methods() -> list[str]:
@@ -89,16 +123,27 @@ def build_runners(methods: Sequence[str], skip: SkipSet | None) -> dict[str, Met
     return {m: SpiritMethod(m, skip if m == "static" else None) for m in methods}
 
 
+def learned_from(runner: MethodRunner) -> str:
+    describe = getattr(runner, "learned_from", None)
+    return describe() if describe is not None else "not stated (a caller-supplied runner)"
+
+
 def with_baseline(methods: Sequence[str]) -> list[str]:
     """Vanilla first (named or not: it is the reference for speedups and for the lossless
     check), then the others in the given order, each once."""
     return [BASELINE, *(m for m in dict.fromkeys(methods) if m != BASELINE)]
 
 
+def rotated(methods: Sequence[str], slot: int) -> list[str]:
+    """The methods in the order question `slot` runs them: starting with method slot mod M."""
+    k = slot % len(methods) if methods else 0
+    return [*methods[k:], *methods[:k]]
+
+
 def schedule(questions: Sequence[Question], methods: Sequence[str]) -> list[tuple[int, Question, str]]:
     """(slot, question, method) in interleaved order: every method on question 0, then on
-    question 1, and so on."""
-    return [(slot, q, m) for slot, q in enumerate(questions) for m in methods]
+    question 1, and so on, each question's order rotated one further (see `rotated`)."""
+    return [(slot, q, m) for slot, q in enumerate(questions) for m in rotated(methods, slot)]
 
 
 class RssSampler:
@@ -148,9 +193,7 @@ def answer(lm, runner: MethodRunner, question: Question, max_new_tokens: int) ->
     for text in question.turns:
         messages.append({"role": "user", "content": text})
         result = runner(lm, as_prompt(lm, messages), max_new_tokens, question.category)
-        prompt = as_prompt(lm, messages)
-        prompt_ids = lm.encode(prompt, chat=not isinstance(prompt, str))
-        turns.append(TurnResult(result.text, list(result.token_ids), result.stats, result.finish_reason, prompt_ids))
+        turns.append(TurnResult(result.text, list(result.token_ids), result.stats, result.finish_reason))
         messages.append({"role": "assistant", "content": result.text})
     return turns
 
@@ -168,7 +211,9 @@ class BenchResult:
     sol: dict | None = None
     elapsed_s: float = 0.0
     decode: Callable[[list[int]], str] | None = None
-    margin: Callable[[list[int], list[int], int, int], float] | None = None
+    # whether this machine's kernels let verification reproduce plain decoding bit for bit
+    # (the model's `exactness`: "exact", "reason", ...); None where the model does not say
+    exactness: dict | None = None
 
     def by_category(self):
         return summarize(self.runs)
@@ -177,7 +222,17 @@ class BenchResult:
         return summarize(self.runs, key=lambda r: r.block) if self.blocks else {}
 
     def lossless(self):
-        return compare_lossless(self.runs, self.decode, margin=self.margin)
+        return compare_lossless(self.runs, self.decode)
+
+    def order_of(self, slot: int) -> list[str]:
+        """The methods in the order they actually ran question `slot`."""
+        return [r.method for r in sorted((r for r in self.runs if r.slot == slot), key=lambda r: r.order)]
+
+
+def exactness_of(lm) -> dict | None:
+    """The loaded model's own statement of whether verification is bit-exact here, if any."""
+    exactness = getattr(lm, "exactness", None)
+    return exactness.to_dict() if exactness is not None else None
 
 
 def run_bench(
@@ -247,11 +302,13 @@ def run_bench(
             "temperature": 0.0,
             "warmup": warmup,
             "static_skip": str(skip) if skip is not None else None,
-            "order": "interleaved by question (" + " ".join(methods) + ", ...)",
+            "order": f"interleaved by question, rotated: question k starts with method k mod {len(methods)} "
+                     f"({' '.join(methods)}, then {' '.join(rotated(methods, 1))}, ...)",
+            "learned_from": {m: learned_from(table[m]) for m in methods},
         },
         machine=machine_info(lm),
         decode=lambda ids: lm.tokenizer.decode(ids, skip_special_tokens=False),
-        margin=lm.logit_margin,
+        exactness=exactness_of(lm),
     )
     result.sol = vanilla_sol(lm, runs)
     result.elapsed_s = time.perf_counter() - t_start

@@ -8,6 +8,11 @@ pass, only rows of the verification pass, which on a CPU are nearly free.
 
 Chain nodes are numbered 1..k, so node j's draft KV is in slot committed + j - 1 exactly as a
 chain's; the leaves come after them.
+
+In Gumbel mode (sampling.py) the draft perturbs its processed log-probabilities with the
+noise of the position it drafts for, the very noise the target's token there will be picked
+with, and then drafts greedily on those scores (runner-ups as leaves, as in greedy mode):
+where q is close to p the two picks coincide, whatever the noise made them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from spirit.drafts.tree import DraftTree
 from spirit.drafts.vocab import DraftHead
 from spirit.model.adapter import SkippableModel
 from spirit.model.kv_cache import KVCache
-from spirit.sampling import SamplingParams, probabilities, sample
+from spirit.sampling import GumbelNoise, SamplingParams, perturbed_logprobs, probabilities, sample
 from spirit.skipset import DraftConfig
 
 
@@ -29,7 +34,7 @@ def draft_layerskip(
     cache: KVCache,
     config: DraftConfig,
     sampling: SamplingParams,
-    generator: torch.Generator | None,
+    generator: torch.Generator | GumbelNoise | None,
     limit: int,
     head: DraftHead | None = None,
     mlps: QuantizedMLPs | None = None,
@@ -38,20 +43,25 @@ def draft_layerskip(
     """A tree of up to `limit` chain tokens plus leaves, rooted at the pending token ids[-1].
     `mlps`: quantized MLPs the draft runs instead of the model's own (config.draft_bits).
     The chain ends at a token of `stop_ids` (end of sequence): what follows it is never
-    used, and short answers (one sentence) would otherwise pay for a full draft past it."""
+    used, and short answers (one sentence) would otherwise pay for a full draft past it.
+    `generator`: the request's randomness (sampling.randomness); Gumbel noise makes the
+    draft deterministic, so its nodes carry no q."""
     assert config.skip is not None
     committed = len(ids) - 1
     token = ids[-1]
     chain: list[int] = []
     chain_dists: list[torch.Tensor] = []
     leaves: list[tuple[int, int, torch.Tensor | None]] = []  # (parent node, token, q)
+    deterministic = sampling.greedy or isinstance(generator, GumbelNoise)
     for j in range(limit):
         hidden = model.hidden_states(torch.tensor([[token]]), committed + j, cache, config.skip, mlps=mlps)[0, -1]  # [hidden]
         logits = model.draft_logits(hidden, head)  # [vocab], -inf outside a reduced head
-        probs = torch.softmax(logits, dim=-1) if sampling.greedy else probabilities(logits, sampling)
+        if isinstance(generator, GumbelNoise):  # this token is at position committed + j + 1
+            logits = perturbed_logprobs(logits, sampling, generator.at(committed + j + 1))
+        probs = torch.softmax(logits, dim=-1) if deterministic else probabilities(logits, sampling)
         confidence = float(probs.max())
         branch = config.branches > 1 and confidence < config.branch_below
-        if sampling.greedy:
+        if deterministic:
             if branch:
                 top = torch.topk(probs, config.branches).indices.tolist()
                 token = top[0]
@@ -71,7 +81,7 @@ def draft_layerskip(
     for parent, leaf, dist in leaves:
         if tree.full:
             break
-        if sampling.greedy and tree.child(parent, leaf) is not None:
+        if deterministic and tree.child(parent, leaf) is not None:
             continue
         tree.add(parent, leaf, dist)
     return tree

@@ -72,6 +72,10 @@ class DraftTree:
     def drafted(self) -> int:
         return len(self.tokens) - 1
 
+    def truncated(self, size: int) -> "DraftTree":
+        """The first `size` nodes: still a tree, since every parent comes before its children."""
+        return DraftTree(self.root, self.tokens[:size], self.parents[:size], self.dists[:size], self.depths[:size])
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from spirit.model import attention
+from spirit.model.attention import RowKeys
+from spirit.model.exactness import Exactness, check_exactness
 from spirit.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -67,7 +70,9 @@ def detect_layout(layer: nn.Module) -> Layout:
 class SkippableModel:
     """Wraps a `*ForCausalLM` and runs it with any skip set against a `KVCache`."""
 
-    def __init__(self, causal_lm: nn.Module) -> None:
+    def __init__(self, causal_lm: nn.Module, exactness: Exactness | None = None) -> None:
+        """`exactness`: what this machine's kernels guarantee for this model; measured here
+        (model/exactness.py, about a second for a 1.5b model) unless given."""
         base = getattr(causal_lm, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(causal_lm, "lm_head"):
@@ -106,6 +111,11 @@ class SkippableModel:
             vocab_size=self.lm_head.weight.shape[0],
             max_positions=getattr(self.config, "max_position_embeddings", 2048),
         )
+        # Row-wise attention for exact passes is selected by name through transformers'
+        # registry; without the adapter's `rows` keyword it is SDPA, so prefill, drafts and
+        # transformers' own `generate` run as before.
+        causal_lm.set_attn_implementation(attention.register())
+        self.exactness = exactness if exactness is not None else check_exactness(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,21 +129,18 @@ class SkippableModel:
         s = self.shape
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device)
 
-    def _mask(
+    def _allowed(
         self, start: int, positions: torch.Tensor, window: int | None, visible: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Boolean [1, 1, q, start+q] mask over cache slots (True = attend).
+    ) -> torch.Tensor:
+        """Boolean [q, start+q] over cache slots (True = attend).
 
         Slots [0, start) hold committed tokens at positions equal to their slot; the q new
         tokens sit in slots [start, start+q) at `positions` [q]. `visible` [q, start+q]
         overrides which slots each new token sees (token trees, teacher-forced probes);
         by default it is causal by slot. A sliding window is applied on positions.
-        Returns None where every query may see every key, so SDPA takes its fastest path.
         """
         q = positions.shape[0]
         kv = start + q
-        if visible is None and q == 1 and (window is None or kv <= window):
-            return None
         key_pos = torch.cat([torch.arange(start, device=self.device), positions])  # [kv]
         if visible is None:
             slot = torch.arange(kv, device=self.device)
@@ -142,7 +149,17 @@ class SkippableModel:
             allowed = visible.clone()
         if window is not None:
             allowed &= key_pos[None, :] > positions[:, None] - window
-        return allowed[None, None]
+        return allowed
+
+    def _mask(
+        self, start: int, positions: torch.Tensor, window: int | None, visible: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`_allowed` as the [1, 1, q, kv] mask attention modules take; None where every query
+        may see every key, so SDPA takes its fastest path."""
+        q = positions.shape[0]
+        if visible is None and q == 1 and (window is None or start + q <= window):
+            return None
+        return self._allowed(start, positions, window, visible)[None, None]
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if self._rotary_takes_layer_type:
@@ -160,12 +177,15 @@ class SkippableModel:
         positions: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
         mlps: "QuantizedMLPs | None" = None,
+        exact: bool = False,
     ) -> torch.Tensor:
         """Run q tokens in cache slots [start, start + q); return final-normed hidden [1, q, hidden].
 
         input_ids: [1, q]. positions: [q], defaults to the slots. visible: [q, start + q]
         bool, defaults to causal. mlps: quantized copies of the MLPs to run instead of the
-        model's own (drafts only). Writes KV for those slots in every attention layer it runs.
+        model's own (drafts only). exact: attend row by row (model/attention.py), so each row
+        gets the bits it would get alone; a row that sees no slot is padding and gets zeros.
+        Writes KV for those slots in every attention layer it runs.
         """
         q = input_ids.shape[1]
         cache.begin(start, q)
@@ -174,17 +194,24 @@ class SkippableModel:
         hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
         rotary = self._rotary(hidden, positions[None])
         masks: dict[int | None, torch.Tensor | None] = {}
+        row_keys: dict[int | None, dict[str, RowKeys]] = {}  # window -> the `rows` keyword, if exact
         sandwich = self.layout is Layout.SANDWICH
         for i, layer in enumerate(self.layers):
             if i not in skip.attn:
                 window = self._windows[i]
                 if window not in masks:
-                    masks[window] = self._mask(start, positions, window, visible)
+                    if exact:
+                        masks[window] = None  # the rows say what each query sees
+                        row_keys[window] = {"rows": RowKeys.from_mask(self._allowed(start, positions, window, visible))}
+                    else:
+                        masks[window] = self._mask(start, positions, window, visible)
+                        row_keys[window] = {}
                 attn_out, _ = layer.self_attn(
                     hidden_states=layer.input_layernorm(hidden),
                     position_embeddings=rotary[self.layer_types[i]],
                     attention_mask=masks[window],
                     **{self._cache_kw: cache},
+                    **row_keys[window],
                 )
                 if sandwich:
                     attn_out = layer.post_attention_layernorm(attn_out)
@@ -196,6 +223,23 @@ class SkippableModel:
                 else:
                     hidden = hidden + mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
+
+    def _pad(
+        self, input_ids: torch.Tensor, start: int, positions: torch.Tensor | None, visible: torch.Tensor | None, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append rows that repeat the last token, see no slot and are seen by no real row."""
+        q = input_ids.shape[1]
+        pad = rows - q
+        if positions is None:
+            positions = torch.arange(start, start + q, device=self.device)
+        if visible is None:
+            slot = torch.arange(start + q, device=self.device)
+            visible = slot[None, :] <= slot[start:, None]
+        padded_visible = torch.zeros(rows, start + rows, dtype=torch.bool, device=self.device)
+        padded_visible[:q, : start + q] = visible
+        padded_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, pad)], dim=1)
+        padded_positions = torch.cat([positions, positions[-1] + 1 + torch.arange(pad, device=self.device)])
+        return padded_ids, padded_positions, padded_visible
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab] (with Gemma's final soft-capping)."""
@@ -224,9 +268,22 @@ class SkippableModel:
         last_only: bool = False,
         positions: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
+        exact: bool = False,
+        min_rows: int | None = None,
     ) -> torch.Tensor:
-        """Logits [q, vocab] for the q tokens in slots [start, start+q) (last row if last_only)."""
-        hidden = self.hidden_states(input_ids, start, cache, skip, positions, visible)[0]  # [q, hidden]
+        """Logits [q, vocab] for the q tokens in slots [start, start+q) (last row if last_only).
+
+        exact: each row's logits are bit-identical to a one-token exact pass of that token
+        where `self.exactness.exact` holds: attention is row-wise, and a pass shorter than
+        `min_rows` (default `exactness.min_rows`) is padded with rows that attend to nothing
+        (their KV lands in the spare slots after the pass, which the next pass overwrites).
+        """
+        q = input_ids.shape[1]
+        if exact and min_rows is None:
+            min_rows = self.exactness.min_rows
+        if exact and q < min_rows:
+            input_ids, positions, visible = self._pad(input_ids, start, positions, visible, min_rows)
+        hidden = self.hidden_states(input_ids, start, cache, skip, positions, visible, exact=exact)[0]  # [rows, hidden]
         if last_only:
-            hidden = hidden[-1:]
-        return self.logits(hidden)
+            return self.logits(hidden[q - 1 : q])
+        return self.logits(hidden)[:q]  # the lm_head sees the padded rows too: it is a linear layer

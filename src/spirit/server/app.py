@@ -166,14 +166,14 @@ class _Server:
         # a top_p that rounds to 0 in float32 would keep no token; any top_p this small keeps one
         top_p = max(body.top_p, GREEDY_BELOW)
         try:
-            SamplingParams(temperature, top_p, body.top_k, body.seed)
+            SamplingParams(temperature, top_p, body.top_k, body.seed, body.sampling_mode)
             self.lm.engine.check_fits(len(prompt_ids), max_tokens)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         kwargs = dict(max_new_tokens=max_tokens, method=method, temperature=temperature, top_p=top_p,
-                      top_k=body.top_k, seed=body.seed, stop=body.stop_list)
+                      top_k=body.top_k, seed=body.seed, sampling_mode=body.sampling_mode, stop=body.stop_list)
         if method == "static" and self.config.skip:
             kwargs["skip"] = self.config.skip
         return kwargs

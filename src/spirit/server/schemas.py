@@ -3,7 +3,8 @@
 Only the fields spirit can honour are accepted with a value other than their default; fields
 a client library sends routinely (user, stream_options, zero penalties) are accepted and
 ignored, and anything unknown is ignored too, as OpenAI-compatible servers usually do.
-Two extensions: `method` (the decoding method, default the server's `--method`) and `top_k`.
+Three extensions: `method` (the decoding method, default the server's `--method`), `top_k`
+and `sampling_mode` (gumbel, rejection or auto: see spirit.sampling).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     method: str | None = None  # extension: the decoding method, default the server's --method
+    # extension: "gumbel" (a seeded request's text repeats whatever the draft), "rejection", or
+    # "auto" (gumbel when seeded)
+    sampling_mode: Literal["auto", "gumbel", "rejection"] = "auto"
 
     @field_validator("n")
     @classmethod
