@@ -6,7 +6,9 @@ side in one process, interleaved prompt by prompt (the order alternates), after 
     python benchmarks/exact_attention.py --model qwen2.5-coder-1.5b --prompts 13 --tokens 64
 
 Prints tokens/s of each, their ratio, and whether the two produced the same text (they need
-not: SDPA rounds differently; it is the exact path that speculation reproduces).
+not: SDPA rounds differently; it is the exact path that speculation reproduces). With
+`--passes`, also the cost of one full pass of 1, 4, 8, 16 and 32 rows at a 300-token context,
+exact against SDPA (what a verification pass pays for exactness).
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ def decode(lm, prompt_ids: list[int], tokens: int, exact: bool) -> tuple[list[in
     return ids, time.perf_counter() - t0
 
 
+def pass_costs(lm, context: int = 300, repeats: int = 6) -> None:
+    from spirit.skipset import SkipSet
+
+    model, none = lm.model, SkipSet()
+    cache = model.new_cache(context + 64)
+    model.forward(torch.randint(0, 1000, (1, context)), 0, cache, none)
+
+    def ms(fn) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    for rows in (1, 4, 8, 16, 32):
+        x = torch.randint(0, 1000, (1, rows))
+        sdpa = ms(lambda: model.forward(x, context, cache, none, last_only=rows == 1))
+        exact = ms(lambda: model.forward(x, context, cache, none, exact=True))
+        print(f"  {rows:2d}-row pass at context {context}: SDPA {sdpa:6.1f} ms, exact {exact:6.1f} ms ({exact / sdpa:.2f}x)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -50,6 +73,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=13)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--passes", action="store_true", help="also time single passes of 1..32 rows")
     args = p.parse_args()
 
     lm = spirit.load(args.model, dtype=args.dtype)
@@ -77,6 +101,8 @@ def main() -> int:
     print(f"  SDPA one-token steps  {speed[False]:.2f} tok/s")
     print(f"  exact (row-wise)      {speed[True]:.2f} tok/s   ratio {speed[True] / speed[False]:.3f}")
     print(f"  same text: {same}/{len(prompts)}")
+    if args.passes:
+        pass_costs(lm)
     return 0
 
 
