@@ -178,3 +178,39 @@ def test_transformers_generate_is_unchanged_by_the_registered_attention(arch):
     reference = tiny_model(arch)  # attn_implementation "sdpa", untouched
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
     assert ours == expected.tolist()
+
+
+def test_the_engine_caps_verification_at_the_rows_found_row_invariant(monkeypatch):
+    """Where the check finds rows invariant only up to some pass size, no exact pass is larger,
+    and the output still equals plain decoding."""
+    from spirit.model.exactness import Exactness
+
+    model = SkippableModel(
+        tiny_model("llama", dtype=torch.bfloat16, hidden=128), exactness=Exactness(True, 1, 4, "capped for the test")
+    )
+    engine = Engine(model)
+    rows: list[int] = []
+    forward = model.forward
+
+    def recording(input_ids, *args, exact=False, **kwargs):
+        if exact:
+            rows.append(input_ids.shape[1])
+        return forward(input_ids, *args, exact=exact, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    prompt = [1, 2, 3, 4] * 6
+    config = DraftConfig(max_draft=8, threshold=0.0, ngram=True, branches=3, branch_below=1.0)
+    plain = [t for chunk in engine.decode(prompt, DecodeSettings(max_new_tokens=30)) for t in chunk]
+    policy = StaticPolicy(ModelInfo(4), config, skip=SkipSet(frozenset({1}), frozenset({2})))
+    fast = [t for chunk in engine.decode(prompt, DecodeSettings(max_new_tokens=30), policy) for t in chunk]
+    assert fast == plain
+    assert max(rows) == 4  # trees of up to 8 chain nodes and their leaves were cut to 4 rows
+
+
+def test_a_truncated_tree_is_a_tree():
+    tree = DraftTree(0)
+    for parent, token in [(0, 1), (1, 2), (0, 3), (2, 4), (3, 5)]:
+        tree.add(parent, token)
+    cut = tree.truncated(4)
+    assert cut.tokens == [0, 1, 2, 3] and cut.parents == [-1, 0, 1, 0] and cut.depths == [0, 1, 2, 1]
+    assert all(p < i for i, p in enumerate(cut.parents) if i)

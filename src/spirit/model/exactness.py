@@ -57,7 +57,6 @@ class Exactness:
         return asdict(self)
 
 
-NOT_CHECKED = Exactness(False, 1, 64, "not checked")
 
 
 def check_exactness(model: "SkippableModel") -> Exactness:
