@@ -24,7 +24,9 @@ import torch
 
 from spirit.engine import SHARED_LEARNER, DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
+from spirit.machine import PassCosts
 from spirit.model.exactness import Exactness
+from spirit.model.probe import LayerShapes, probe
 from spirit.model.loader import LoadedModel
 from spirit.model.loader import load as load_model
 from spirit.policies import REGISTRY, ModelInfo, Policy
@@ -136,6 +138,20 @@ def _quantized_cache(loaded: LoadedModel) -> Path | None:
     return cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
 
 
+def _machine_costs(model: SkippableModel) -> PassCosts | None:
+    """This machine's pass costs for the model's shapes (model/probe.py), relative to a plain
+    step in the model's dtype as exact decoding runs it; None off the CPU or for a dtype the
+    probe does not measure (the policy then learns costs from windows alone)."""
+    if model.device.type != "cpu":
+        return None
+    try:
+        costs = probe(LayerShapes.from_config(model.config))
+        plain_rows = model.exactness.min_rows if model.exactness.exact else 1
+        return costs.with_target(str(model.dtype).removeprefix("torch."), plain_rows)
+    except (AttributeError, ValueError):  # a config without the usual fields, or fp16
+        return None
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
@@ -148,14 +164,21 @@ class Spirit:
         self.hf_model = loaded.hf_model
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
+        self.dtype_reason = loaded.dtype_reason
         self.model = SkippableModel(loaded.hf_model)
-        self.engine = Engine(self.model, max_context, quantized_cache=_quantized_cache(loaded))
+        self.costs = _machine_costs(self.model)
+        self.engine = Engine(self.model, max_context, quantized_cache=_quantized_cache(loaded), costs=self.costs)
         self.eos_token_ids = _eos_ids(loaded)
         self._policies: dict[tuple, Policy] = {}
 
     @property
     def num_layers(self) -> int:
         return self.model.shape.num_layers
+
+    @property
+    def info(self) -> ModelInfo:
+        """What a policy is told about the model, this machine's pass costs included."""
+        return ModelInfo(self.num_layers, self.name, costs=self.costs, vocab=self.model.shape.vocab_size)
 
     @property
     def exactness(self) -> Exactness:
@@ -194,7 +217,7 @@ class Spirit:
             extra = dict(options)
             if skip is not None:
                 extra["skip"] = skip.validate(self.num_layers)
-            policy = REGISTRY.create(method, ModelInfo(self.num_layers, self.name), draft, **extra)
+            policy = REGISTRY.create(method, self.info, draft, **extra)
             if profile_file and Path(profile_file).exists():
                 from spirit.policies.profiles import load_profile
 
@@ -210,7 +233,7 @@ class Spirit:
         from spirit.policies.base import StaticPolicy, VanillaPolicy
         from spirit.policies.dv import CALIBRATION_PROMPTS
 
-        info = ModelInfo(self.num_layers, self.name)
+        info = self.info
         prompts = [self.encode(p, chat=bool(getattr(self.tokenizer, "chat_template", None))) for p in CALIBRATION_PROMPTS]
         self.generate(prompts[0], max_new_tokens=8, policy=VanillaPolicy(info))
         turns = itertools.cycle(prompts)

@@ -26,7 +26,8 @@ import torch
 
 from spirit.drafts.layerskip import draft_layerskip
 from spirit.drafts.ngram import STRONG_MATCH, NgramIndex
-from spirit.drafts.quantized import QuantizedMLPs
+from spirit.drafts.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
+from spirit.machine import DRAFT_BITS_FORMAT, PassCosts
 from spirit.drafts.tree import MAX_NODES, DraftTree
 from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
@@ -65,8 +66,12 @@ class _Window:
 
 
 class Engine:
-    def __init__(self, model: SkippableModel, max_context: int | None = None, quantized_cache: Path | None = None) -> None:
+    def __init__(self, model: SkippableModel, max_context: int | None = None, quantized_cache: Path | None = None,
+                 costs: PassCosts | None = None) -> None:
         self.model = model
+        # this machine's pass costs (model/probe.py), when measured: the activation dtype each
+        # low-bit draft kernel is fast with here
+        self.costs = costs
         self.max_context = max_context or model.shape.max_positions
         self._requests = 0
         # reduced-vocabulary draft heads and the token frequencies they come from, one set per
@@ -88,10 +93,14 @@ class Engine:
         if not bits:
             return None
         if bits not in self._quantized:
+            activation = DEFAULT_ACTIVATION
+            if self.costs is not None:
+                activation = getattr(torch, self.costs.activation(DRAFT_BITS_FORMAT[bits]))
             path = None
             if self.quantized_cache is not None:
-                path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}.pt")
-            self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path)
+                suffix = "" if activation == DEFAULT_ACTIVATION else f"-{str(activation).removeprefix('torch.')}"
+                path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}{suffix}.pt")
+            self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path, activation)
         return self._quantized[bits]
 
     def draft_heads(self, learner: str = SHARED_LEARNER) -> DraftHeads:
@@ -107,7 +116,7 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
-        return ModelInfo(num_layers=self.model.shape.num_layers)
+        return ModelInfo(self.model.shape.num_layers, costs=self.costs, vocab=self.model.shape.vocab_size)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len < 1:

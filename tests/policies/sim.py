@@ -24,6 +24,9 @@ class Landscape:
     matchness: Callable[[SkipSet], float] = lambda skip: 0.5
     # when set, speedup of the whole configuration (e.g. with prompt lookup), instead of `speedup`
     config_speedup: Callable[[DraftConfig], float] | None = None
+    # what a draft round costs on this machine, in plain steps: the speedup a window shows
+    # comes from tokens per round (the task's) over this (the machine's)
+    round_cost: Callable[[DraftConfig], float] = lambda config: 1.5
 
     def speedup_of(self, config: DraftConfig) -> float:
         return self.config_speedup(config) if self.config_speedup else self.speedup(config.skip)
@@ -31,17 +34,17 @@ class Landscape:
 
 @dataclass
 class Log:
-    windows: list[tuple[int, DraftConfig, float]] = field(default_factory=list)  # (request, config, tok/s)
+    windows: list[tuple[int, DraftConfig, float, int]] = field(default_factory=list)  # (request, config, tok/s, tokens)
 
     def configs_of(self, request: int) -> list[DraftConfig]:
-        return [c for r, c, _ in self.windows if r == request]
+        return [c for r, c, *_ in self.windows if r == request]
 
 
 def run(policy: Policy, landscape: Landscape, prompts: list[tuple[int, ...]], tokens: int = 128,
         start_context: int = 100, noise: float = 0.0, seed: int = 0, log: Log | None = None) -> Log:
     rng = random.Random(seed)
     log = log or Log()
-    first_id = len({r for r, _, _ in log.windows})
+    first_id = len({r for r, *_ in log.windows})
     for n, prompt in enumerate(prompts):
         rid = first_id + n
         config = policy.start_request(RequestInfo(rid, prompt, tokens))
@@ -49,20 +52,33 @@ def run(policy: Policy, landscape: Landscape, prompts: list[tuple[int, ...]], to
         while remaining > 0:
             w = min(max(1, policy.window_tokens), remaining)
             speed = landscape.plain_tps(context) * landscape.speedup_of(config) * (1 + noise * rng.gauss(0, 1))
-            drafted = w if config.speculative else 0
-            counters = Counters(new_tokens=w, drafted=drafted, accepted=int(drafted * landscape.acceptance(config.skip)),
-                                draft_rounds=max(1, w // 4) if config.speculative else 0)
+            counters = window_counters(landscape, config, w, landscape.speedup_of(config))
             context += w
             remaining -= w
             stats = WindowStats(rid, config, counters, w / max(speed, 1e-6), context,
                                 probe_agreement=landscape.matchness(config.probe) if config.probe else None,
                                 final=remaining == 0)
-            log.windows.append((rid, config, speed))
+            log.windows.append((rid, config, speed, w))
             if remaining == 0:
                 policy.end_request(stats)
             else:
                 config = policy.on_window(stats)
     return log
+
+
+def window_counters(landscape: Landscape, config: DraftConfig, tokens: int, speedup: float) -> Counters:
+    """Counts consistent with the speedup: rounds that each cost the machine's round cost
+    (raised where even one token per round could not be that slow) and commit
+    speedup x cost tokens, of which `acceptance` of the drafted ones were accepted."""
+    if not config.speculative:
+        return Counters(new_tokens=tokens)
+    cost = max(landscape.round_cost(config), 1 / max(speedup, 1e-6))
+    per_round = speedup * cost
+    rounds = max(1, min(tokens, round(tokens / per_round)))
+    accepted = tokens - rounds
+    rate = max(landscape.acceptance(config.skip), 1e-3)
+    drafted = max(accepted, round(accepted / rate), rounds)
+    return Counters(new_tokens=tokens, drafted=drafted, accepted=accepted, draft_rounds=rounds)
 
 
 def prompts_of(task: int, count: int, length: int = 40) -> list[tuple[int, ...]]:

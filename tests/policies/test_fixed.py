@@ -23,7 +23,7 @@ def test_registered_with_spirits_default_levers():
 def test_one_configuration_for_every_window_whatever_the_speeds():
     policy = REGISTRY.create("fixed", ModelInfo(L), default_draft("fixed"))
     log = run(policy, Landscape(ratio_peak(0.3, height=2.0)), prompts_of(0, 3) + prompts_of(1, 3), noise=0.2)
-    configs = {c for _, c, _ in log.windows}
+    configs = {c for _, c, *_ in log.windows}
     assert configs == {RATIO_0_ARM}
     assert policy.state_dict() == {}
 

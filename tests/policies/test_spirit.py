@@ -77,7 +77,7 @@ def test_settled_on_plain_decoding_it_reprobes_rarely_and_finds_a_change():
     policy = SpiritPolicy(ModelInfo(L))
     never = Landscape(lambda skip: 1.0 - (skip.ratio(L) if skip else 0.0))
     log = run(policy, never, prompts_of(0, 30), tokens=240, noise=0.01)
-    speculative_windows = sum(1 for _, c, _ in log.windows if c.speculative)
+    speculative_windows = sum(1 for _, c, *_ in log.windows if c.speculative)
     exploit_windows = sum(1 for h in policy.history if h["trial"] == "exploit")
     assert speculative_windows <= 2 + exploit_windows // REPROBE_EVERY
     # speculation starts to pay (say, longer contexts): a later re-probe finds it

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from spirit.cli import main
 from spirit.sol import analyze, calibrate, load_hardware, save_hardware
-from spirit.sol.hardware import _llc_bytes
+from spirit.machine import last_level_cache_bytes
 from spirit.sol.measure import time_call
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sol"
@@ -18,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sol"
 def _ops():
     # the streaming ops read 4x the last-level cache (at most 2 GiB): 3 x 16 MB fitted partly
     # in a Zen 5's L3, and a 64 MB gemv wholly in one 2-core VM's 480 MiB L3, and beat the bound
-    footprint = min(4 * _llc_bytes(), 2 << 30)
+    footprint = min(4 * last_level_cache_bytes(8 * 2**20), 2 << 30)
     rows = max(4096, footprint // (4 * 4096))
     w, x = torch.randn(rows, 4096), torch.randn(4096)
     n = max(16 << 20, footprint // (3 * 4))

@@ -36,12 +36,19 @@ def machine_info(lm) -> dict:
     import torch
     import transformers
 
+    from spirit.model.probe import KERNEL_ENV
+
     return {
         "cpu": cpu_model(),
         "cores": usable_cores(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "dtype": str(lm.dtype).removeprefix("torch."),
+        "dtype_reason": getattr(lm, "dtype_reason", None),
+        # the variables that hold PyTorch's kernels back (e.g. to AVX2), if set
+        "kernel_env": {n: os.environ[n] for n in KERNEL_ENV if os.environ.get(n)},
+        # this machine's pass costs per weight format and rows (model/probe.py)
+        "probe": lm.costs.to_dict() if getattr(lm, "costs", None) is not None else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -187,6 +187,25 @@ def speedup(group: Figures, baseline: Figures) -> float | None:
     return group.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s > 0 else None
 
 
+def first_in_category(runs: list[QuestionRun], baseline: str = BASELINE) -> dict[str, dict[str, float]]:
+    """Per method, its speedup on the first question of each category that it answered (a
+    task new to its policy), against the baseline on the same question."""
+    base = {r.slot: r for r in runs if r.method == baseline}
+    out: dict[str, dict[str, float]] = {}
+    for method in dict.fromkeys(r.method for r in runs):
+        if method == baseline:
+            continue
+        firsts: dict[str, QuestionRun] = {}
+        for run in sorted((r for r in runs if r.method == method), key=lambda r: r.order):
+            firsts.setdefault(run.question.category, run)
+        out[method] = {
+            category: run.tokens_per_s / base[run.slot].tokens_per_s
+            for category, run in firsts.items()
+            if run.slot in base and base[run.slot].tokens_per_s > 0
+        }
+    return out
+
+
 # -- losslessness ------------------------------------------------------------------------
 
 

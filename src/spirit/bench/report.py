@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spirit.bench.answers import write_answers
 from spirit.bench.machine import peak_rss_bytes
-from spirit.bench.metrics import BASELINE, OTHER_ENGINES, OVERALL, Figures, Lossless, QuestionRun
+from spirit.bench.metrics import BASELINE, OTHER_ENGINES, OVERALL, Figures, Lossless, QuestionRun, first_in_category
 from spirit.bench.runner import BenchResult
 
 
@@ -87,6 +87,7 @@ def results_dict(result: BenchResult) -> dict:
         # ... and other engines against vanilla: a property of that engine, not of spirit
         "other_engines_vs_vanilla": {m: {"engine": OTHER_ENGINES[m], **v.to_dict()} for m, v in theirs.items()},
         "sol": result.sol,
+        "first_in_category": first_in_category(result.runs),
         "timeline": timelines,
         "config_segments": {m: config_segments(p) for m, p in timelines.items()},
         "runs": [
@@ -210,6 +211,33 @@ def lossless_section(lossless: dict[str, Lossless], exactness: dict | None) -> l
     return lines
 
 
+def _first_section(result: BenchResult) -> list[str]:
+    """Each method on the first question of every category: what a task new to the policy pays."""
+    firsts = first_in_category(result.runs)
+    if not any(firsts.values()):
+        return []
+    categories = list(dict.fromkeys(c for row in firsts.values() for c in row))
+    lines = ["## First question of each category (speedup over vanilla)", "",
+             "A category's first question is the first request of a task the method's policy has not seen.", "",
+             _row(["method", *categories, "lowest"]), _row(["---"] * (len(categories) + 2))]
+    for method, row in firsts.items():
+        cells = [f"{row[c]:.2f}x" if c in row else "" for c in categories]
+        lines.append(_row([method, *cells, f"{min(row.values()):.2f}x" if row else ""]))
+    return lines + [""]
+
+
+def _probe_section(probe: dict | None) -> list[str]:
+    if not probe:
+        return []
+    from spirit.machine import PassCosts
+
+    costs = PassCosts.from_dict(probe)
+    return ["## This machine's pass costs (hardware probe)", "",
+            f"{costs.machine}; linear layers of one full pass, ms (x one row of the same format); "
+            f"plain steps run {costs.plain_rows} row(s) in {costs.target}:", "",
+            "```", costs.table(), "```", ""]
+
+
 def _order_section(result: BenchResult) -> list[str]:
     """The rotation of methods, as the questions actually ran it."""
     orders: dict[tuple[str, ...], list] = {}
@@ -233,7 +261,10 @@ def _learning_section(result: BenchResult) -> list[str]:
 def _config_section(segments: dict[str, list[dict]], limit: int = 25) -> list[str]:
     lines = ["## Draft configuration over time", ""]
     for method, segs in segments.items():
-        if method == BASELINE or all(s["config"] == "vanilla" for s in segs):
+        if method == BASELINE:
+            continue
+        if all(s["config"] == "vanilla" for s in segs):
+            lines += [f"**{method}**: plain decoding throughout ({sum(s['windows'] for s in segs)} windows)", ""]
             continue
         lines += [f"**{method}** ({len(segs)} stretch(es))", "", _row(["tokens", "where", "windows", "configuration"]), _row(["---"] * 4)]
         for s in segs[:limit]:
@@ -258,6 +289,8 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
         f"max {result.settings.get('max_new_tokens')} new tokens, greedy; order: {result.settings.get('order')}, "
         f"after a warm-up: {result.settings.get('warmup')}",
         f"- static skip set: {result.settings.get('static_skip') or '-'}",
+        f"- dtype {result.dtype}: {m.get('dtype_reason') or 'not stated'}"
+        + (f"; kernels held back by {' '.join(f'{k}={v}' for k, v in m['kernel_env'].items())}" if m.get("kernel_env") else ""),
         f"- {exactness_line(result.exactness)}",
         f"- total time {result.elapsed_s:.1f} s, process peak RSS {data['process_peak_rss_mb']:.0f} MB",
     ]
@@ -287,6 +320,8 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
                   *_speed_table(result.by_block(), label=lambda g: labels.get(g, g)), ""]
     if "timeline" in plots:
         lines += [f"![tokens/s and skip ratio along the {'stream' if result.blocks else 'run'}]({plots['timeline']})", ""]
+    lines += _first_section(result)
+    lines += _probe_section(m.get("probe"))
     lines += lossless_section(lossless, result.exactness)
     lines += _order_section(result)
     lines += _learning_section(result)

@@ -65,12 +65,12 @@ class SpiritMethod:
         kwargs = dict(method=self.name, max_new_tokens=max_new_tokens, chat=chat, tag=tag, temperature=0.0)
         if warmup and self.name != "hf":
             # a throwaway policy and learner: the kept ones must start the measured stream fresh
-            from spirit.policies import REGISTRY, ModelInfo
+            from spirit.policies import REGISTRY
 
             extra = {"skip": self.skip.validate(lm.num_layers)} if self.skip is not None else {}
             draft = self.draft or default_draft(self.name)
             lm.engine.quantized_mlps(draft.draft_bits)  # built or loaded once, like the weights
-            policy = REGISTRY.create(self.name, ModelInfo(lm.num_layers, lm.name), draft, **extra)
+            policy = REGISTRY.create(self.name, lm.info, draft, **extra)
             try:
                 return lm.generate(prompt, policy=policy, learner=WARMUP_LEARNER, **kwargs)
             finally:

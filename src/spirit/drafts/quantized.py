@@ -13,10 +13,10 @@ always runs the full model's weights, so output is unchanged. Attention stays at
 precision: it is ~12% of the bytes, and running the model's own attention module keeps every
 architecture's details (biases, q/k norms, rotary variants) exact without reimplementing them.
 
-Formats (what the kernels expect):
-- int8: symmetric per output channel, w ~= q * scale, q in [-127, 127].
-- int4: asymmetric per group of `group_size` inputs, w ~= (q - 8) * scale + zero, q in
-  [0, 15]; needs out_features % 16 == 0 and in_features % group_size == 0, else int8.
+Formats are model/quantize.py's (int4 where the shape allows, else int8). The kernels take
+activations in the dtype of their scales, `activation`: bfloat16 unless the hardware probe
+found another faster, whatever the model's own dtype (a float32 model's draft casts its
+activations to bfloat16 and back around each quantized product).
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from spirit.model.quantize import INT4_GROUP, int4_fits, quantize_int4, quantize_int8
+
 BITS = (4, 8)
-INT4_GROUP = 32  # inputs per int4 scale: smaller groups are more accurate and cost the same here
-_INT4_INNER_K_TILES = 1  # packing parameter of the CPU kernel (any valid value works on CPU)
+# The int kernels' activation dtype, unless the hardware probe says another is faster here:
+# with float32 activations torch's int4 op ran 10-27x slower and its int8 op 2.4-16x slower
+# than with bfloat16 ones, on both CPU classes measured (model/probe.py records both).
+DEFAULT_ACTIVATION = torch.bfloat16
 # quantized MLPs that took at least this long to build are kept on disk (small models
 # rebuild in milliseconds, and a file per throwaway model folder would pile up)
 KEEP_AFTER_S = 1.0
@@ -54,24 +58,29 @@ class QuantizedLinear:
     out_features: int
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int, activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedLinear":
         weight = linear.weight.detach()
         out_features, in_features = weight.shape
         bias = None if linear.bias is None else linear.bias.detach()
-        if bits == 4 and out_features % 16 == 0 and in_features % INT4_GROUP == 0:
-            packed, scales = _quantize_int4(weight, INT4_GROUP)
-            return cls(4, packed, scales, INT4_GROUP, bias, out_features)
         if bits not in BITS:
             raise QuantizationError(f"draft bits must be one of {BITS}, got {bits}")
-        q, scales = _quantize_int8(weight)
-        return cls(8, q, scales, 0, bias, out_features)
+        if bits == 4 and int4_fits(out_features, in_features):
+            packed, scales = quantize_int4(weight, INT4_GROUP)
+            return cls(4, packed, scales.to(activation), INT4_GROUP, bias, out_features)
+        q, scales = quantize_int8(weight)
+        return cls(8, q, scales.to(activation), 0, bias, out_features)
+
+    @property
+    def activation(self) -> torch.dtype:
+        return self.scales.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).to(self.activation)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales)
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -85,25 +94,6 @@ class QuantizedLinear:
                     bias=self.bias, out_features=self.out_features)
 
 
-def _quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.to(weight.dtype)
-
-
-def _quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out_features, in_features = weight.shape
-    w = weight.float().reshape(out_features, in_features // group, group)
-    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-    scale = ((high - low) / 15.0).clamp(min=1e-12)
-    q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
-    zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
-    scales_and_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
-    return packed, scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype)
-
-
 @dataclass(frozen=True)
 class QuantizedMLP:
     """A gated MLP (Llama, Qwen2/3, Mistral, Gemma): down(act(gate(x)) * up(x))."""
@@ -114,7 +104,7 @@ class QuantizedMLP:
     act: Callable[[torch.Tensor], torch.Tensor]
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, bits: int) -> "QuantizedMLP":
+    def from_mlp(cls, mlp: nn.Module, bits: int, activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedMLP":
         parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
         act = getattr(mlp, "act_fn", None)
         if not all(isinstance(p, nn.Linear) for p in parts) or act is None:
@@ -122,7 +112,7 @@ class QuantizedMLP:
                 f"{type(mlp).__name__} is not a gated MLP with gate_proj/up_proj/down_proj/act_fn: "
                 "quantized drafts need that layout (Llama, Qwen2/3, Mistral, Gemma)"
             )
-        gate, up, down = (QuantizedLinear.from_linear(p, bits) for p in parts)
+        gate, up, down = (QuantizedLinear.from_linear(p, bits, activation) for p in parts)
         return cls(gate, up, down, act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,24 +131,25 @@ class QuantizedMLPs:
     mlps: tuple[QuantizedMLP, ...]
 
     @classmethod
-    def build(cls, layers: list[nn.Module], bits: int) -> "QuantizedMLPs":
+    def build(cls, layers: list[nn.Module], bits: int, activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedMLPs":
         if bits not in BITS:
             raise QuantizationError(f"draft bits must be one of {BITS}, got {bits}")
         with torch.inference_mode():
-            return cls(bits, tuple(QuantizedMLP.from_mlp(layer.mlp, bits) for layer in layers))
+            return cls(bits, tuple(QuantizedMLP.from_mlp(layer.mlp, bits, activation) for layer in layers))
 
     @classmethod
-    def cached(cls, layers: list[nn.Module], bits: int, path: Path | None) -> "QuantizedMLPs":
+    def cached(cls, layers: list[nn.Module], bits: int, path: Path | None,
+               activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedMLPs":
         """`build`, kept in `path` so that it runs once per model and machine: quantizing a
         1.5b model's MLPs to int4 took 17.5 s on 2 cores, loading the 690 MiB back 3.5 s.
         A file that does not match these layers is rebuilt and replaced."""
         if path is not None and path.exists():
             try:
-                return cls.load(path, layers, bits)
+                return cls.load(path, layers, bits, activation)
             except Exception:  # an old or damaged file: rebuilding is always correct
                 pass
         started = time.perf_counter()
-        built = cls.build(layers, bits)
+        built = cls.build(layers, bits, activation)
         if path is not None and time.perf_counter() - started >= KEEP_AFTER_S:
             built.save(path)
         return built
@@ -171,7 +162,8 @@ class QuantizedMLPs:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, layers: list[nn.Module], bits: int) -> "QuantizedMLPs":
+    def load(cls, path: Path, layers: list[nn.Module], bits: int,
+             activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedMLPs":
         state = torch.load(path, weights_only=True)
         if state["bits"] != bits or len(state["layers"]) != len(layers):
             raise QuantizationError(f"{path} holds other quantized MLPs")
@@ -180,6 +172,8 @@ class QuantizedMLPs:
             gate, up, down = (QuantizedLinear(**parts[name]) for name in ("gate", "up", "down"))
             if down.out_features != layer.mlp.down_proj.out_features:
                 raise QuantizationError(f"{path} was quantized from another model")
+            if down.activation != activation:
+                raise QuantizationError(f"{path} was built for {down.activation} activations")
             mlps.append(QuantizedMLP(gate, up, down, layer.mlp.act_fn))
         return cls(bits, tuple(mlps))
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch import nn
 
 from spirit.model.attention import RowKeys, rowwise_attention
 from spirit.model.bundled import cache_root
+from spirit.model.probe import machine_key
 from spirit.skipset import SkipSet
 
 if TYPE_CHECKING:
@@ -115,20 +115,8 @@ def _linear_max_rows(linears: list[nn.Linear], min_rows: int) -> tuple[int, str]
 # count, not on the weights' values: measured once per process for each (every tiny test model
 # shares them) and kept on disk per machine, so a later load reads it instead of measuring.
 _LAYER_MEASURED: dict[str, tuple[int, str]] = {}
-_KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def _machine_key() -> str:
-    """This CPU (model name and flags), torch and the environment that steers its kernels."""
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
-    env = [f"{name}={os.environ.get(name, '')}" for name in _KERNEL_ENV]
-    return "|".join([*lines, torch.__version__, str(torch.get_num_threads()), *env])
-
-
 def _measured_path() -> Path:
-    digest = hashlib.sha256(f"{_machine_key()}|{PASS_ROWS}|{COMPARED_OUTPUTS}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{machine_key()}|{PASS_ROWS}|{COMPARED_OUTPUTS}".encode()).hexdigest()[:16]
     return cache_root() / "exactness" / f"{digest}.json"
 
 

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar
 
+from spirit.machine import PassCosts
 from spirit.skipset import VANILLA, DraftConfig, SkipSet
 from spirit.stats import WindowStats
 
@@ -19,6 +20,10 @@ from spirit.stats import WindowStats
 class ModelInfo:
     num_layers: int
     name: str = ""
+    # this machine's pass costs for the model (machine.py), when probed: what a draft step and
+    # a verification of n rows cost in plain steps, before any window measured them
+    costs: PassCosts | None = field(default=None, compare=False)
+    vocab: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,14 @@ Per recognized task (a profile), the policy searches in two stages and then expl
 4. *Exploit.* It runs the incumbent, refreshes the plain-decoding speed model now and then,
    and re-searches (around the incumbent) if normalized speed leaves its recent range.
 
+Every trial must first be predicted to beat plain decoding by the noise margin
+(`cost_model.py`): costs are the machine's (seeded by the hardware probe, corrected by every
+window, shared by all tasks), acceptance is the task's (this task's windows, else the mean
+over tasks, else a prior). On a machine where verifying several tokens costs several plain
+steps, nothing is predicted to pay, and a new task runs plain decoding from its first token;
+a short trial of the best-predicted arm now and then (`REPROBE_GATED`) keeps the
+prediction honest.
+
 Speeds are compared after normalizing by plain decoding's speed at the same context length
 (`speed_model.py`). Tasks are recognized from the prompt (`features.py`), so a stream that
 returns to a known task restores its profile at once, and a new task starts a new search.
@@ -36,6 +44,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
+from spirit.policies.cost_model import Acceptance, CostModel, arm_key, window_figures
 from spirit.policies.features import ProfileIndex, prompt_vector
 from spirit.policies.speed_model import SpeedModel, window_context
 from spirit.skipset import DraftConfig, skipset_from_sublayers, sublayer_ids
@@ -63,6 +72,11 @@ EXPLOIT_WINDOW = 48  # tokens per window while exploiting
 # a plain window that refreshes the speed model: short, since many requests are one or two
 # windows long and this one runs at plain speed, yet long enough (>= MIN_TOKENS) to count
 PLAIN_WINDOW = 16
+# Plain windows that the cost prediction chose (it ruled every trial out) before one short
+# trial of the best-predicted arm checks the prediction: rare and cheap, because where
+# nothing pays each such trial is pure loss (16 tokens per ~3,000 at 48-token windows).
+REPROBE_GATED = 64
+GATED_TRIAL_WINDOW = 16
 
 
 def prior_order(num_layers: int) -> list[tuple[str, int]]:
@@ -92,6 +106,9 @@ class TaskProfile:
     source_tried: bool = False  # the source stage's one trial of this search is done
     exploited: int = 0  # exploit windows since the last search
     owe_best: bool = False  # the last window was a trial: the next runs the best so far
+    # per arm (cost_model.arm_key): what its drafts achieved on this task
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    gated: list[str] = field(default_factory=list)  # ratio keys this search ruled out by prediction
 
 
 def first_grid(prior: float) -> list[float]:
@@ -134,6 +151,9 @@ class SpiritPolicy(Policy):
         super().__init__(model, replace(base, ngram=False))
         self.rng = random.Random(seed)
         self.speed = SpeedModel()
+        self.costs = CostModel(model.num_layers, model.vocab, model.costs)
+        self.plain_since_trial = 0  # plain windows since a trial ran (for REPROBE_GATED)
+        self.gated_trial = False  # the trial being planned was let through to check a prediction
         self.index = ProfileIndex()
         self.profiles: list[TaskProfile] = []
         self.order: list[tuple[str, int]] = prior_order(model.num_layers)
@@ -183,17 +203,24 @@ class SpiritPolicy(Policy):
             if p.owe_best and means:
                 return self._run_best(means)
             ratio = p.pending[0]
+            arm = self._arm(self.pattern_for(ratio))
+            if not self._worth(arm):
+                p.pending.pop(0)
+                p.gated.append(_key(ratio))
+                return self.plan()
             self.trial = ("ratio", ratio)
-            return self._arm(self.pattern_for(ratio))
+            return self._short(arm)
         if p.stage == "source":
             if p.owe_best:  # after a trial, the incumbent
                 self.trial = ("exploit", None)
                 return self._incumbent(p)
-            if p.source_tried:
+            arm = self._arm(p.skip or [], ngram=not p.ngram)
+            if p.source_tried or not self._worth(arm):
+                p.source_tried = True
                 p.stage = "pattern" if p.skip else "exploit"
                 return self.plan()
             self.trial = ("source", not p.ngram)
-            return self._arm(p.skip or [], ngram=not p.ngram)
+            return self._short(arm)
         if p.stage == "pattern":
             if p.trials_left <= 0 or not p.skip:
                 p.stage = "exploit"
@@ -213,7 +240,7 @@ class SpiritPolicy(Policy):
             # settled on plain decoding or the ratio-0 draft: now and then check whether
             # skipping pays now (longer contexts, another machine state); one window of
             # regret per REPROBE_EVERY (two when the ratio-0 draft may now beat plain decoding)
-            p.exploited, p.stage, p.refined = 0, "ratio", False
+            p.exploited, p.stage, p.refined, p.gated = 0, "ratio", False, []
             if p.drafting:
                 p.ratio_scores, p.pending = {_key(0.0): [p.score]}, [RATIO_GRID[1]]
             else:
@@ -238,6 +265,28 @@ class SpiritPolicy(Policy):
         self.trial = ("best", best)
         return self._arm(self.pattern_for(best))
 
+    def _worth(self, arm: DraftConfig) -> bool:
+        """Whether a trial of `arm` is predicted to beat plain decoding by the noise margin
+        (always, where nothing can predict it yet); now and then, after REPROBE_GATED plain
+        windows, one trial is let through to check the prediction."""
+        if not arm.speculative:
+            return True
+        predicted = self.costs.predict(arm, self.profile.acceptance.get(arm_key(arm, self.model.num_layers)))
+        if predicted is None or predicted >= 1 + MARGIN:
+            return True
+        if self.plain_since_trial >= REPROBE_GATED:
+            self.plain_since_trial = 0
+            self.gated_trial = True
+            return True
+        return False
+
+    def _short(self, arm: DraftConfig) -> DraftConfig:
+        """A trial's window: short when the prediction ruled it out and it only checks that."""
+        if self.gated_trial:
+            self.gated_trial = False
+            self.window_tokens = GATED_TRIAL_WINDOW
+        return arm
+
     def _plain_scores(self) -> dict[str, list[float]]:
         """Grid scores known without measuring: ratio 0 is plain decoding, 1.0 by definition
         once calibrated, unless it is a draft arm (lookup, quantized), which is unknown."""
@@ -248,19 +297,21 @@ class SpiritPolicy(Policy):
         best = _best_ratio(means) if means else 0.0
         tried = [r for r in means if r > 0]
         step = RATIO_GRID[1]
-        if best == 0 and tried and min(tried) > step + 1e-9:
+        lower = round(max(step, min(tried) - step), 4) if tried else 0.0
+        if best == 0 and tried and min(tried) > step + 1e-9 and _key(lower) not in p.gated:
             # a local search found nothing faster than plain decoding above: look lower
-            p.pending = [round(max(step, min(tried) - step), 4)]
+            p.pending = [lower]
             return
-        if best > 0 and best >= max(tried) and best + step <= MAX_RATIO + 1e-9:
+        higher = round(best + step, 4)
+        if best > 0 and best >= max(tried) and higher <= MAX_RATIO + 1e-9 and _key(higher) not in p.gated:
             # the best is the largest ratio tried: the peak may lie higher, climb a step
-            p.pending = [round(best + step, 4)]
+            p.pending = [higher]
             return
         if not p.refined and best > 0:
             p.refined = True
             p.pending = [
                 r for r in (round(best - REFINE_STEP, 4), round(best + REFINE_STEP, 4))
-                if 0 < r <= MAX_RATIO and _key(r) not in p.ratio_scores
+                if 0 < r <= MAX_RATIO and _key(r) not in p.ratio_scores and _key(r) not in p.gated
             ]
             if p.pending:
                 return
@@ -340,12 +391,16 @@ class SpiritPolicy(Policy):
         if not stats.config.speculative:
             self.speed.observe_plain(stats)
             self.windows_since_plain = 0
+            self.plain_since_trial += 1
         else:
             self.windows_since_plain += 1
+            self.plain_since_trial = 0
         score = self.speed.normalized(stats)
         if score is None:
             return
         p = self.profile
+        if stats.config.speculative:
+            self._learn_costs(p, stats)
         ratio = stats.config.skip.ratio(self.model.num_layers) if stats.config.skip else 0.0
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
         if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.zero_arm:
@@ -371,6 +426,21 @@ class SpiritPolicy(Policy):
             p.exploited += 1
             if self.speed.covers(window_context(stats)):
                 self._watch(p, score)
+
+    def _learn_costs(self, p: TaskProfile, stats: WindowStats) -> None:
+        """A speculative window's round cost (the machine's, shared) and acceptance (this
+        task's, and folded into the mean that new tasks start from)."""
+        figures = window_figures(stats, self.speed.plain_seconds_per_token(window_context(stats)) or 0.0)
+        if figures is None:
+            return
+        acceptance, round_cost = figures
+        key = arm_key(stats.config, self.model.num_layers)
+        self.costs.observe(stats.config, acceptance, round_cost)
+        if key in p.acceptance:
+            p.acceptance[key].update(acceptance)
+        else:
+            p.acceptance[key] = acceptance
+        self.costs.share(stats.config, acceptance)
 
     def _prune_grid(self, p: TaskProfile, ratio: float, score: float) -> None:
         """Speed is single-peaked in the ratio: once a ratio is clearly slower than the best
@@ -399,7 +469,7 @@ class SpiritPolicy(Policy):
         if p.suspicious >= SHIFT_PATIENCE:
             p.suspicious = 0
             p.searches += 1
-            p.stage, p.refined = "ratio", False
+            p.stage, p.refined, p.gated = "ratio", False, []
             around = {0.0, p.ratio, round(max(0.0, p.ratio - 0.1), 4), round(min(MAX_RATIO, p.ratio + 0.1), 4)}
             p.pending = sorted(around)
             p.ratio_scores = {}
@@ -412,6 +482,8 @@ class SpiritPolicy(Policy):
             "index": self.index.state_dict(),
             "profiles": [asdict(p) for p in self.profiles],
             "order": [list(s) for s in self.order],
+            # round costs are this machine's: kept with its name, and dropped on another
+            "costs": {"machine": self._machine(), **self.costs.state_dict()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -422,7 +494,17 @@ class SpiritPolicy(Policy):
             TaskProfile(**{("drafting" if k == "lookup" else k): v for k, v in p.items()})
             for p in state.get("profiles", [])
         ]
+        for p in self.profiles:
+            p.acceptance = {k: Acceptance(**v) if isinstance(v, dict) else v for k, v in p.acceptance.items()}
+        costs = state.get("costs", {})
+        if costs.get("machine") == self._machine():
+            self.costs.load_state_dict(costs)
+        else:  # another machine's costs mislead; what tasks accept still holds
+            self.costs.load_state_dict({"shared": costs.get("shared", {})})
         self.order = [tuple(s) for s in state.get("order", [])] or self.order
+
+    def _machine(self) -> str:
+        return self.costs.probe.machine if self.costs.probe is not None else ""
 
     def describe(self) -> str:
         parts = [f"task {i}: {p.stage} ratio={p.ratio:.2f} score={p.score:.2f}" for i, p in enumerate(self.profiles)]

@@ -29,6 +29,12 @@ def register(subparsers) -> None:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_model)
 
+    pr = sub.add_parser("probe", help="this machine's cost of a pass over 1..16 rows per weight format, for a model's shapes")
+    pr.add_argument("name", help="bundled name, HF folder, or config.json")
+    pr.add_argument("--fresh", action="store_true", help="measure again instead of reading the kept result")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_probe)
+
     for name, func, text in (("module", cmd_module, "bound a KernelBench-style file: Model, get_inputs(), get_init_inputs()"),
                              ("measure", cmd_measure, "bound a KernelBench-style file and run it: measured time, %% of SOL, SOL score")):
         k = sub.add_parser(name, help=text)
@@ -82,15 +88,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from spirit.model.loader import parse_dtype
+    from spirit.model.loader import choose_dtype, parse_dtype
     from spirit.skipset import SkipSet
     from spirit.sol import decode_cost, load_config, speculative_speedup, trace_decode_step
 
     if args.context < 0:
         raise ValueError(f"--context must be >= 0, got {args.context}")
     hw = _hardware(args.hardware)
-    dtype = torch.bfloat16 if args.dtype == "auto" and args.hardware != "this-cpu" else parse_dtype(args.dtype)
     config = load_config(args.name)
+    dtype = parse_dtype(args.dtype)
+    if dtype is None:  # auto: bf16 on other hardware, this CPU's measured choice here
+        dtype = torch.bfloat16 if args.hardware != "this-cpu" else choose_dtype(config)[0]
     skip = SkipSet.parse(args.skip) if args.skip else None
     plain = decode_cost(config, dtype, args.context)
     rows = {"plain": plain}
@@ -166,6 +174,22 @@ def _report(args, hw, cost, b, extra: dict) -> int:
             print(f"    {o.node:24s} {o.op:32s} {o.kind:10s} {(o.matrix_flops + o.vector_flops) / 1e6:10.3f} MFLOP {o.bytes / 1e6:10.3f} MB")
     for key, value in extra.items():
         print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from spirit.model.probe import LayerShapes, probe
+    from spirit.sol import load_config
+
+    costs = probe(LayerShapes.from_config(load_config(args.name)), keep=not args.fresh)
+    if args.json:
+        print(json.dumps(costs.to_dict(), indent=2))
+        return 0
+    best, why = costs.plain_dtype()
+    print(f"{args.name} on {costs.machine} (probed in {costs.probe_time_s:.1f} s)")
+    print(f"linear layers of a full pass ({costs.num_layers} layers and the lm_head), ms (x one row):")
+    print(costs.table())
+    print(f"--dtype auto: {best}: {why}")
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from spirit.machine import last_level_cache_bytes
 from spirit.model.bundled import cache_root
 
 THIS_CPU = "this-cpu"
@@ -136,25 +137,12 @@ def _best_rate(fn, work: float, repeats: int) -> float:
     return best
 
 
-def _llc_bytes() -> int:
-    """Size of the largest CPU cache reported by sysfs (the L3 on most x86 machines)."""
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        best = max(best, int(text.rstrip("KMG")) * unit)
-    return best or 8 * 2**20
-
-
 def calibrate(quick: bool = False, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)) -> HardwareSpec:
     """Measure this CPU: read and copy bandwidth on buffers far larger than the last-level
     cache, in-cache read bandwidth, a vector op's FLOP/s, and a large matmul per dtype.
     Each figure is the median of repeats; bandwidth and peaks are the best of the figures
     that measure them, so that the spec stays an upper bound on speed. quick: ~2-5 s."""
-    llc = _llc_bytes()
+    llc = last_level_cache_bytes(8 * 2**20)
     repeats = 3 if quick else 5
     measured: dict[str, float] = {}
 
