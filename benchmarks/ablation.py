@@ -49,7 +49,7 @@ def variants(lm, ratio: float, vocab: int, branches: int) -> dict[str, dict]:
         "skip+vocab+tree": dict(static, draft=DraftConfig(draft_vocab=vocab, branches=branches)),
         "lookup": dict(method="lookup"),
         "lookup+skip+vocab+tree": dict(static, draft=DraftConfig(ngram=True, draft_vocab=vocab, branches=branches)),
-        # quantized drafts: every sublayer kept, MLPs at int8 / int4 (drafts/quantized.py)
+        # quantized drafts: every sublayer kept, MLPs at int8 / int4 (draft_model/quantized.py)
         "int8+vocab": dict(method="static", skip=SkipSet(), draft=DraftConfig(draft_bits=8, draft_vocab=vocab)),
         "int4+vocab": dict(method="static", skip=SkipSet(), draft=DraftConfig(draft_bits=4, draft_vocab=vocab)),
         "int4+vocab@t0.5": dict(method="static", skip=SkipSet(),

@@ -8,7 +8,7 @@ decoding produced, so the rounds a lookup strategy takes on a recorded answer ar
 without running the model: accepted = the longest drafted path that agrees with the answer.
 Each round costs one verification pass over 1 + (tree size) tokens; with the measured cost of
 a q-token pass relative to a one-token one (--costs), the replay gives the speedup over plain
-decoding in pass-equivalents (prefill excluded). It is how drafts/ngram.py's DRAFT_LENGTH
+decoding in pass-equivalents (prefill excluded). It is how proposers/prompt_lookup.py's DRAFT_LENGTH
 was chosen; it replays spirit's own NgramIndex, not a copy of it.
 
 The answer file is Spec-Bench's answer format (what `spirit bench --out` writes); answers are
@@ -23,8 +23,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from spirit.drafts.ngram import DRAFT_LENGTH, NgramIndex
-from spirit.drafts.tree import DraftTree
+from spirit.proposers.prompt_lookup import DRAFT_LENGTH, NgramIndex
+from spirit.tree import DraftTree
 
 # q-token pass / one-token pass, q = 1..16: qwen2.5-coder-1.5b, bf16, 2 threads, context 300
 MEASURED_COSTS = (1.0, 0.95, 1.03, 1.07, 1.15, 1.24, 1.22, 1.20, 1.28, 1.32, 1.36, 1.40, 1.42, 1.44, 1.45, 1.46)

@@ -21,7 +21,7 @@ import torch
 
 import spirit
 from spirit.bench.questions import load_questions, select
-from spirit.drafts.quantized import QuantizedMLPs
+from spirit.draft_model.quantized import QuantizedMLPs
 from spirit.policies.spirit import prior_order
 from spirit.skipset import SkipSet, skipset_from_sublayers
 

@@ -51,7 +51,7 @@ def main() -> int:
     policies = {(m, mode): REGISTRY.create(m, info, default_draft(m)) for m, mode in pairs}
     assert all(policy.calibrated for policy in policies.values()), "a method that needs calibration"
     lm.generate("warm up", max_new_tokens=8, method="vanilla", learner="warm-up")
-    lm.engine.forget("warm-up")
+    lm.engine.learners.forget("warm-up")
 
     totals: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
     for i, question in enumerate(questions):

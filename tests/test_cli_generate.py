@@ -142,7 +142,7 @@ def test_profile_for_another_method_is_refused(model_dir, tmp_path, capsys):
 
 
 def test_draft_bits_run_lossless_and_are_kept_on_disk(model_dir, tmp_path, monkeypatch, capsys):
-    from spirit.drafts import quantized
+    from spirit.draft_model import quantized
 
     monkeypatch.setenv("SPIRIT_CACHE", str(tmp_path))
     monkeypatch.setattr(quantized, "KEEP_AFTER_S", 0.0)  # a tiny model builds in milliseconds

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spirit.draft_model.vocab import DraftHead
 from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import LookupPolicy, ModelInfo, Policy, StaticPolicy
@@ -118,23 +119,21 @@ def test_lookup_drafts_are_found_and_accepted():
 
 
 def test_the_reduced_head_is_what_the_draft_scores(monkeypatch):
-    m = model("qwen2")
     sizes = []
-    real = m.draft_logits
+    real = DraftHead.logits
 
-    def draft_logits(hidden, head):
-        sizes.append(None if head is None else head.token_ids.numel())
-        logits = real(hidden, head)
-        if head is not None:
-            assert torch.isinf(logits).sum() == VOCAB - head.token_ids.numel()
-        return logits
+    def logits(head, hidden, capped):
+        sizes.append(head.token_ids.numel())
+        out = real(head, hidden, capped)
+        assert torch.isinf(out).sum() == VOCAB - head.token_ids.numel()
+        return out
 
-    monkeypatch.setattr(m, "draft_logits", draft_logits)
+    monkeypatch.setattr(DraftHead, "logits", logits)
     prompt = list(range(40, 60))
     config = DraftConfig(max_draft=4, threshold=0.0, draft_vocab=33, branches=3, branch_below=1.0)
     out, _ = speculative("qwen2", prompt, 24, StaticPolicy(ModelInfo(LAYERS), config, skip=SkipSet.parse("attn:2;mlp:3")))
     monkeypatch.undo()
-    assert sizes and set(sizes) == {33}
+    assert sizes and set(sizes) == {33}  # every draft pass scored the reduced head
     assert out == vanilla("qwen2", tuple(prompt), 24)
 
 

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 
 import spirit.engine as engine_module
 import spirit.verify as verify_module
-from spirit.drafts.tree import DraftTree
+from spirit.tree import DraftTree
 from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import LookupPolicy, ModelInfo, StaticPolicy

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import kstest
 
 import spirit.verify as verify_module
-from spirit.drafts.tree import DraftTree
+from spirit.tree import DraftTree
 from spirit.sampling import (
     KEEP_POSITIONS,
     GumbelNoise,

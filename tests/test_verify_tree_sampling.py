@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from spirit.drafts.tree import DraftTree
+from spirit.tree import DraftTree
 from spirit.verify import verify_tree_greedy, verify_tree_sampling
 
 P = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])  # target at the root

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from spirit.engine import SHARED_LEARNER, DecodeSettings, Engine
+from spirit.draft_model.learners import SHARED_LEARNER
+from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
 from spirit.machine import PassCosts
 from spirit.model.exactness import Exactness

@@ -19,27 +19,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from spirit.drafts.layerskip import draft_layerskip
-from spirit.drafts.ngram import STRONG_MATCH, NgramIndex
-from spirit.drafts.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
+from spirit import proposers
+from spirit.draft_model.learners import SHARED_LEARNER, DraftLearners
+from spirit.draft_model.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
 from spirit.machine import DRAFT_BITS_FORMAT, PassCosts
-from spirit.drafts.tree import MAX_NODES, DraftTree
-from spirit.drafts.vocab import DraftHeads
 from spirit.model.adapter import SkippableModel
-from spirit.policies.base import Policy, RequestInfo, VanillaPolicy, ModelInfo
+from spirit.policies.base import ModelInfo, Policy, RequestInfo, VanillaPolicy
+from spirit.proposers import DraftContext, DraftResources, Proposer
 from spirit.sampling import GumbelNoise, SamplingParams, pick, probabilities, randomness
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import Counters, GenerationStats, WindowStats
+from spirit.tree import MAX_NODES, DraftTree
 from spirit.verify import verify_tree_greedy, verify_tree_gumbel, verify_tree_sampling
 
 _NO_SKIP = SkipSet()
 PROBE_TOKENS = 32  # committed tokens a teacher-forced agreement probe scores
-SHARED_LEARNER = "shared"  # the learned draft state every request uses unless told otherwise
 
 
 class ContextLengthError(ValueError):
@@ -74,12 +73,10 @@ class Engine:
         self.costs = costs
         self.max_context = max_context or model.shape.max_positions
         self._requests = 0
-        # reduced-vocabulary draft heads and the token frequencies they come from, one set per
-        # learner: a request learns from and drafts with its learner's only. Every request
-        # shares one unless its caller names another (the benchmark gives each method its
-        # own, so no method drafts from another's output)
-        self.heads = DraftHeads(model.lm_head.weight)  # the shared learner's
-        self.learners: dict[str, DraftHeads] = {SHARED_LEARNER: self.heads}
+        # the learned draft state (draft_model/learners.py): a request drafts with and
+        # teaches its learner's only
+        self.learners = DraftLearners(model.lm_head.weight)
+        self.sources: tuple[type[Proposer], ...] = proposers.SOURCES  # the draft sources rounds ask
         self._quantized: dict[int, QuantizedMLPs] = {}  # draft bits -> the MLPs at those bits
         self.quantized_cache = quantized_cache  # where quantized MLPs are kept: "<it>-int4.pt"
         # Every full-model pass after prefill is exact (row-wise attention, padded to the rows
@@ -103,16 +100,10 @@ class Engine:
             self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path, activation)
         return self._quantized[bits]
 
-    def draft_heads(self, learner: str = SHARED_LEARNER) -> DraftHeads:
-        """The learned draft state of `learner`, fresh (the rank prior alone) on first use."""
-        if learner not in self.learners:
-            self.learners[learner] = DraftHeads(self.model.lm_head.weight)
-        return self.learners[learner]
-
-    def forget(self, learner: str) -> None:
-        """Drop what `learner` learned (e.g. a throwaway warm-up's); the shared one stays."""
-        if learner != SHARED_LEARNER:
-            self.learners.pop(learner, None)
+    @property
+    def heads(self):
+        """The shared learner's draft heads."""
+        return self.learners.get(SHARED_LEARNER)
 
     @property
     def info(self) -> ModelInfo:
@@ -152,11 +143,9 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
 
-        config = policy.start_request(request)
-        heads = self.draft_heads(learner)
-        heads.table.observe(prompt_ids)  # a prompt's tokens are likely to be copied
-        heads.table.pin(settings.eos_token_ids)
-        lookup = NgramIndex()
+        config = self._known_sources(policy.start_request(request))
+        heads = self.learners.start(learner, prompt_ids, settings.eos_token_ids)
+        sources = proposers.for_request(DraftResources(self.model, self.quantized_mlps, heads.head), self.sources)
         cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
         prompt = torch.tensor([prompt_ids])
         logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
@@ -173,10 +162,8 @@ class Engine:
             if window.config.probe is not None and window.probe_agreement is None:
                 window.probe_agreement = self._probe(ids, cache, window.config.probe, window.counters)
             if window.config.speculative:
-                new = self._speculative_round(
-                    ids, cache, window.config, sampling, generator, budget, window.counters, lookup,
-                    settings.eos_token_ids, heads,
-                )
+                context = DraftContext(ids, cache, window.config, sampling, generator, settings.eos_token_ids)
+                new = self._speculative_round(context, sources, budget, window.counters)
             else:
                 new = self._plain_step(ids, cache, sampling, generator, window.counters)
             eos_at = next((i for i, t in enumerate(new) if t in settings.eos_token_ids), None)
@@ -193,7 +180,7 @@ class Engine:
                 window = self._close_window(window, request, policy, stats, len(ids), final=False)
 
         self._close_window(window, request, policy, stats, len(ids), final=True)
-        heads.table.observe(ids[len(prompt_ids) :])
+        self.learners.finish(learner, ids[len(prompt_ids) :])
         stats.new_tokens = len(ids) - len(prompt_ids)
         stats.wall_time_s = time.perf_counter() - t_start
         return stats
@@ -218,32 +205,23 @@ class Engine:
         return [token]
 
     def _speculative_round(
-        self,
-        ids: list[int],
-        cache,
-        config: DraftConfig,
-        sampling: SamplingParams,
-        generator,
-        budget: int,
-        counters: Counters,
-        lookup: NgramIndex,
-        stop_ids: frozenset[int] = frozenset(),
-        heads: DraftHeads | None = None,
+        self, context: DraftContext, sources: list[Proposer], budget: int, counters: Counters
     ) -> list[int]:
+        ids, cache, sampling, generator = context.ids, context.cache, context.sampling, context.generator
         # drafting more than budget - 1 tokens cannot pay: the verification adds one more
-        limit = min(config.max_draft, budget - 1, MAX_NODES - 1)
+        limit = min(context.config.max_draft, budget - 1, MAX_NODES - 1)
         if limit < 1:
             return self._plain_step(ids, cache, sampling, generator, counters)
         t0 = time.perf_counter()
-        tree = self._propose(ids, cache, config, sampling, generator, limit, lookup, counters, stop_ids, heads)
-        if tree.drafted == 0:  # nothing to verify: this round is a plain step
+        source, tree = self._propose(context, sources, limit)
+        if source is None:  # nothing to verify: this round is a plain step
             counters.draft_time_s += time.perf_counter() - t0
             return self._plain_step(ids, cache, sampling, generator, counters)
         if self.exact and tree.size > self.model.exactness.max_rows:
             tree = tree.truncated(self.model.exactness.max_rows)  # larger passes are not row-invariant here
         t1 = time.perf_counter()
         committed = len(ids) - 1
-        verify_input = torch.tensor([tree.tokens])
+        verify_input = torch.tensor([tree.tokens], device=self.model.device)
         if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
             target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP, exact=self.exact)  # [size, vocab]
         else:
@@ -259,31 +237,26 @@ class Engine:
             verdict = verify_tree_sampling(tree, probabilities(target_logits, sampling), generator)
         cache.keep_path(committed + 1, [committed + node for node in verdict.path])
         t2 = time.perf_counter()
+        for each in sources:
+            each.accepted(tree, verdict.path)
         counters.draft_time_s += t1 - t0
         counters.verify_time_s += t2 - t1
         counters.draft_rounds += 1
+        counters.lookup_rounds += source.model_free
         counters.drafted += tree.drafted
         counters.accepted += verdict.accepted
         return [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
 
-    def _propose(
-        self, ids, cache, config: DraftConfig, sampling, generator, limit: int, lookup: NgramIndex, counters: Counters,
-        stop_ids: frozenset[int] = frozenset(), heads: DraftHeads | None = None,
-    ) -> DraftTree:
-        """Prompt lookup first (free); the skipping model when lookup finds no match (with a
-        skip draft on offer, no match of STRONG_MATCH tokens): the policy measures
-        which of the two pays (lookup alone is the ratio-0 arm)."""
-        if config.ngram:
-            shortest = STRONG_MATCH if config.skip is not None else None
-            tree = lookup.propose(ids, min(config.ngram_tokens, limit), config.branches, shortest=shortest)
+    @staticmethod
+    def _propose(context: DraftContext, sources: list[Proposer], limit: int) -> tuple[Proposer | None, DraftTree]:
+        """The first tree that drafts a token, from the sources this window's configuration
+        enables, in their listed order; each but the last knows a later one would be asked."""
+        enabled = [source for source in sources if source.enabled(context.config)]
+        for n, source in enumerate(enabled):
+            tree = source.propose(replace(context, fallback=n < len(enabled) - 1), limit)
             if tree.drafted:
-                counters.lookup_rounds += 1
-                return tree
-        if config.skip is None:
-            return DraftTree(ids[-1])
-        head = (heads or self.heads).head(config.draft_vocab)
-        mlps = self.quantized_mlps(config.draft_bits)
-        return draft_layerskip(self.model, ids, cache, config, sampling, generator, limit, head, mlps, stop_ids)
+                return source, tree
+        return None, DraftTree(context.ids[-1])
 
     def _probe(self, ids: list[int], cache, skip: SkipSet, counters: Counters) -> float | None:
         """Teacher-forced top-1 agreement of `skip` with the last committed tokens.
@@ -346,4 +319,11 @@ class Engine:
             policy.end_request(feedback)
             return window
         # the policy's deciding time is counted in the next window, which starts now
-        return _Window(policy.on_window(feedback), now)
+        return _Window(self._known_sources(policy.on_window(feedback)), now)
+
+    def _known_sources(self, config: DraftConfig) -> DraftConfig:
+        known = {source.name for source in self.sources}
+        for name in config.sources:
+            if name not in known:
+                raise ValueError(f"unknown draft source {name!r}; this engine has {', '.join(sorted(known))}")
+        return config

@@ -125,7 +125,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 # -- gumbel mode ------------------------------------------------------------------------------
 
 # Noise rows a request keeps: a verification pass needs at most MAX_NODES positions past the
-# pending token (drafts/tree.py), so positions are reused from draft to verification and
+# pending token (tree.py), so positions are reused from draft to verification and
 # across rounds; a row evicted early would only be generated again (it is a pure function).
 KEEP_POSITIONS = 66  # MAX_NODES + 2
 

@@ -131,23 +131,26 @@ class DraftConfig:
     # A candidate skip set whose teacher-forced top-1 agreement with the committed text the
     # engine should measure during the window (SWIFT's "matchness"); costs one draft pass.
     probe: SkipSet | None = None
-    # Prompt-lookup drafts (drafts/ngram.py); at most `ngram_tokens` per round (and fewer
+    # Prompt-lookup drafts (proposers/prompt_lookup.py); at most `ngram_tokens` per round (and fewer
     # after a short match), because on a CPU verifying k tokens costs about 1 + 0.03k plain
     # steps (measured on qwen2.5-1.5b in bf16), so a long wrong guess is not free.
     ngram: bool = False
     ngram_tokens: int = 10
     # 0: the draft scores the whole vocabulary; N: only the N most frequent tokens
-    # (drafts/vocab.py), so drafting reads N/V of the lm_head. Verification always uses all.
+    # (draft_model/vocab.py), so drafting reads N/V of the lm_head. Verification always uses all.
     draft_vocab: int = 0
     # 1: drafts are chains. b > 1: where the draft's top-1 probability is below
     # `branch_below`, up to b - 1 runner-up tokens join the tree as leaves, verified in the
-    # same pass (drafts/tree.py).
+    # same pass (tree.py).
     branches: int = 1
     branch_below: float = 0.9
     # 0: the draft runs the model's own MLP weights. 8 or 4: weight-only quantized copies of
-    # them (drafts/quantized.py), so a draft pass reads a half or a quarter of the MLP bytes.
+    # them (draft_model/quantized.py), so a draft pass reads a half or a quarter of the MLP bytes.
     # With no sublayer to skip, `skip=SkipSet()` and draft_bits > 0 is the quantized draft.
     draft_bits: int = 0
+    # further draft sources by name (proposers/__init__.py lists them), asked in that list's
+    # order; the built-in ones are enabled by their own knobs above (`ngram`, `skip`)
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.draft_bits not in (0, 4, 8):
@@ -163,7 +166,7 @@ class DraftConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.skip is not None or self.ngram
+        return self.skip is not None or self.ngram or bool(self.sources)
 
     def describe(self, num_layers: int) -> str:
         if not self.speculative:
@@ -177,6 +180,7 @@ class DraftConfig:
             parts.append(f"vocab={self.draft_vocab}")
         if self.skip is not None and self.branches > 1:
             parts.append(f"branches={self.branches}")
+        parts += [f"+{name}" for name in self.sources]
         return " ".join(parts)
 
 

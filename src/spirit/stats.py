@@ -35,7 +35,7 @@ class Counters:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     probe_time_s: float = 0.0  # teacher-forced agreement probes asked for by a policy
-    lookup_rounds: int = 0  # draft rounds whose tree came from prompt lookup (drafts/ngram.py)
+    lookup_rounds: int = 0  # draft rounds whose tree came from prompt lookup (proposers/prompt_lookup.py)
 
     def add(self, other: "Counters") -> None:
         for name in vars(self):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spirit.drafts.tree import DraftTree
+from spirit.tree import DraftTree
 from spirit.sampling import GumbelNoise, SamplingParams, gumbel_pick, sample
 
 
@@ -40,7 +40,7 @@ class Verdict:
 
 @dataclass(frozen=True)
 class TreeVerdict:
-    path: list[int]  # accepted nodes, root's child first (see drafts/tree.py); len = accepted
+    path: list[int]  # accepted nodes, root's child first (see tree.py); len = accepted
     next_token: int  # recovered or bonus token after the last accepted node
 
     @property

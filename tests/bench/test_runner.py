@@ -13,7 +13,7 @@ from spirit.bench.report import write_outputs
 from spirit.bench.runner import (
     WARMUP_LEARNER, SpiritMethod, as_prompt, default_static_skip, rotated, run_bench, schedule, with_baseline,
 )
-from spirit.drafts.vocab import FrequencyTable
+from spirit.draft_model.vocab import FrequencyTable
 from spirit.stats import GenerationStats
 from spirit.testing import tiny_spirit
 

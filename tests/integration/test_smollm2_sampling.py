@@ -23,7 +23,7 @@ def test_seeded_sampling_gives_plain_decodings_tokens_in_bf16(lm_bf16):
         # nothing learned before: a new policy and a new draft state
         fresh = lm_bf16.generate(prompt, method="spirit", policy=new_policy, learner=f"fresh-{seed}", **kw)
         learned = lm_bf16.generate(prompt, method="spirit", policy=learning, learner="learning", **kw)
-        lm_bf16.engine.forget(f"fresh-{seed}")
+        lm_bf16.engine.learners.forget(f"fresh-{seed}")
         accepted += fresh.stats.counters.accepted + learned.stats.counters.accepted
         diverged += [(seed, name) for name, out in (("fresh", fresh), ("learned", learned))
                      if out.token_ids != plain.token_ids]

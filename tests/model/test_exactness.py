@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from spirit.drafts.tree import DraftTree
+from spirit.tree import DraftTree
 from spirit.engine import DecodeSettings, Engine
 from spirit.model import exactness as exactness_module
 from spirit.model.adapter import SkippableModel

@@ -30,14 +30,14 @@ def _given(value, default):
 
 
 def register(subparsers) -> None:
-    from spirit.cli import _add_model_args
+    from spirit.cli_args import add_model_args
 
     p = subparsers.add_parser(
         "bench", help="benchmark methods on Spec-Bench questions",
         description="Run methods interleaved on Spec-Bench questions; write results.json, report.md, "
                     "Spec-Bench answer files and plots into --out.",
     )
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(model=None)  # None: the bundled default, or the small model with --quick
     p.add_argument("--questions", default=None,
                    help="question file in Spec-Bench's format (JSONL), e.g. Spec-Bench's own question.jsonl; "

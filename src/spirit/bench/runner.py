@@ -74,7 +74,7 @@ class SpiritMethod:
             try:
                 return lm.generate(prompt, policy=policy, learner=WARMUP_LEARNER, **kwargs)
             finally:
-                lm.engine.forget(WARMUP_LEARNER)
+                lm.engine.learners.forget(WARMUP_LEARNER)
         return lm.generate(prompt, learner=self.learner_key, **kwargs, **self._kwargs())
 
     def learned_from(self) -> str:

@@ -14,9 +14,9 @@ Two layouts cover the supported families:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,10 +25,6 @@ from spirit.model import attention
 from spirit.model.attention import RowKeys
 from spirit.model.exactness import Exactness, check_exactness
 from spirit.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from spirit.drafts.quantized import QuantizedMLPs
-    from spirit.drafts.vocab import DraftHead
 from spirit.skipset import SkipSet
 
 
@@ -176,14 +172,14 @@ class SkippableModel:
         skip: SkipSet,
         positions: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
-        mlps: "QuantizedMLPs | None" = None,
+        mlps: Sequence[nn.Module] | None = None,
         exact: bool = False,
     ) -> torch.Tensor:
         """Run q tokens in cache slots [start, start + q); return final-normed hidden [1, q, hidden].
 
         input_ids: [1, q]. positions: [q], defaults to the slots. visible: [q, start + q]
-        bool, defaults to causal. mlps: quantized copies of the MLPs to run instead of the
-        model's own (drafts only). exact: attend row by row (model/attention.py), so each row
+        bool, defaults to causal. mlps: one module per layer to run instead of the layer's own
+        MLP (a draft's quantized copies). exact: attend row by row (model/attention.py), so each row
         gets the bits it would get alone; a row that sees no slot is padding and gets zeros.
         Writes KV for those slots in every attention layer it runs.
         """
@@ -242,17 +238,11 @@ class SkippableModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab] (with Gemma's final soft-capping)."""
-        return self._capped(self.lm_head(hidden).float())
+        return self.capped(self.lm_head(hidden).float())
 
-    @torch.inference_mode()
-    def draft_logits(self, hidden: torch.Tensor, head: "DraftHead | None") -> torch.Tensor:
-        """[hidden] -> float32 logits [vocab]; with a reduced head, only its tokens are scored
-        and every other token gets -inf."""
-        if head is None:
-            return self.logits(hidden)
-        return head.to_full(self._capped(head.scores(hidden).float()))
-
-    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits after the model's final soft-capping (Gemma), if it has one: what
+        any head over this model's hidden states must apply."""
         if self._softcap:
             return torch.tanh(logits / self._softcap) * self._softcap
         return logits

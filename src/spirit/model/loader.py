@@ -64,7 +64,7 @@ def choose_dtype(config) -> tuple[torch.dtype, str]:
     return getattr(torch, name), why
 
 
-def _converted_dir(key: str) -> Path:
+def converted_dir(key: str) -> Path:
     return cache_root() / "converted" / key
 
 
@@ -72,7 +72,7 @@ def convert_gguf(gguf_file: Path, key: str) -> Path:
     """Dequantize a GGUF file into a safetensors folder (once; atomic)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    target = _converted_dir(key)
+    target = converted_dir(key)
     if (target / "spirit-source.json").exists():
         return target
     tmp = target.with_name(target.name + ".tmp")
@@ -99,7 +99,7 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
     """Map a model name, path or hub id to a local Hugging Face folder."""
     if name_or_path in BUNDLED:
         spec = BUNDLED[name_or_path]
-        converted = _converted_dir(spec.name)
+        converted = converted_dir(spec.name)
         if not (converted / "spirit-source.json").exists():
             converted = convert_gguf(bundled.fetch(spec), spec.name)
         return spec.name, converted

@@ -6,7 +6,7 @@ reads it. What it measures, on the model's own layer shapes with random weights:
 
 - each format's linear layers of one decoder layer (attention's q/k/v/o, the MLP's gate/up/
   down) at 1, 2, 4, 8 and 16 rows: float32 and bfloat16 `F.linear`, and the weight-only
-  int8 / int4 kernels that quantized drafts run (drafts/quantized.py);
+  int8 / int4 kernels that quantized drafts run (draft_model/quantized.py);
 - the int kernels with both bfloat16 and float32 activations at one row, keeping the faster
   (measured: float32 activations were 10-27x slower for int4 on both CPU classes here);
 - over enough copies of the layer that they do not fit the last-level cache, as a model's

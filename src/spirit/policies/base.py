@@ -114,7 +114,7 @@ class StaticPolicy(Policy):
 
 
 class LookupPolicy(Policy):
-    """Prompt-lookup drafts alone (drafts/ngram.py): no draft model pass at all."""
+    """Prompt-lookup drafts alone (proposers/prompt_lookup.py): no draft model pass at all."""
 
     name = "lookup"
     window_tokens = 64

@@ -7,10 +7,10 @@ import os
 
 
 def register(subparsers) -> None:
-    from spirit.cli import _add_model_args
+    from spirit.cli_args import add_model_args
 
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--method", default="spirit", help="default decoding method; a request may name another in 'method'")
     p.add_argument("--skip", default=None, help="skip set for --method static, e.g. 'attn:4,9;mlp:4,9,12'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from spirit.cli import load_for_cli
+    from spirit.cli_args import load_for_cli
 
     lm = load_for_cli(args)
     if args.max_context is not None:
