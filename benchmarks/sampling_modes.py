@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import spirit
-from spirit.api import default_draft
+from spirit.request import default_draft
 from spirit.bench.questions import load_questions, select
 from spirit.policies import REGISTRY
 from spirit.policies.base import ModelInfo

@@ -11,11 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spirit.draft_model.vocab import DraftHead
-from spirit.engine import DecodeSettings, Engine
+from spirit.engine import Engine
 from spirit.model.adapter import SkippableModel
+from spirit.plan import Plan
 from spirit.policies.base import LookupPolicy, ModelInfo, Policy, StaticPolicy
 from spirit.skipset import DraftConfig, SkipSet, random_skipset
-from spirit.testing import ARCHITECTURES, tiny_model
+from spirit.testing import ARCHITECTURES, decode_all, tiny_model
 
 LAYERS = 6
 VOCAB = 264  # tiny_model's vocabulary
@@ -32,14 +33,7 @@ def engine(arch: str) -> Engine:
     return Engine(model(arch))
 
 
-def decode(eng: Engine, prompt: list[int], n: int, policy: Policy | None):
-    out: list[int] = []
-    decoding = eng.decode(list(prompt), DecodeSettings(max_new_tokens=n), policy)
-    while True:
-        try:
-            out.extend(next(decoding))
-        except StopIteration as end:
-            return out, end.value
+decode = decode_all
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,15 +145,15 @@ class RandomTreePolicy(Policy):
         super().__init__(ModelInfo(LAYERS), DraftConfig(max_draft=6, threshold=0.0))
         self.rng = random.Random(seed)
 
-    def plan(self) -> DraftConfig:
+    def plan(self) -> Plan:
         r = self.rng
         choice = r.random()
         skip = None if choice < 0.2 else random_skipset(LAYERS, r.uniform(0.1, 0.6), r)
-        return self.config(
+        return self.window(self.config(
             skip, ngram=choice < 0.1 or r.random() < 0.3, ngram_tokens=r.randint(1, 8),
             branches=r.randint(1, 4), branch_below=r.choice([0.5, 0.9, 1.0]),
             draft_vocab=r.choice([0, 0, 16, 100]), threshold=r.choice([0.0, 0.5]),
-        )
+        ))
 
 
 def decode_capturing_cache(arch, prompt, n, policy):

@@ -17,12 +17,12 @@ import hashlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spirit.draft_model.learners import SHARED_LEARNER
+from spirit.request import Request
 from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
 from spirit.machine import PassCosts
@@ -31,7 +31,6 @@ from spirit.model.probe import LayerShapes, probe
 from spirit.model.loader import LoadedModel
 from spirit.model.loader import load as load_model
 from spirit.policies import REGISTRY, ModelInfo, Policy
-from spirit.sampling import SamplingParams
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import GenerationStats
 
@@ -52,20 +51,6 @@ class GenerationResult:
             "method": self.method,
             "stats": self.stats.to_dict(),
         }
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation request, as every front end (API, CLI, server, benchmark) states it."""
-
-    prompt: str | Sequence[dict] | Sequence[int]  # text, chat messages, or token ids
-    max_new_tokens: int = 128
-    method: str = "vanilla"
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    chat: bool = False
-    tag: str | None = None  # a label for the policy's records (e.g. a benchmark category)
-    learner: str = SHARED_LEARNER  # whose learned draft state it drafts with and teaches (Engine.decode)
 
 
 class TextStream:
@@ -139,7 +124,7 @@ def _quantized_cache(loaded: LoadedModel) -> Path | None:
     return cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
 
 
-def _machine_costs(model: SkippableModel) -> PassCosts | None:
+def _machine_costs(model: SkippableModel, weights: str) -> PassCosts | None:
     """This machine's pass costs for the model's shapes (model/probe.py), relative to a plain
     step in the model's dtype as exact decoding runs it; None off the CPU or for a dtype the
     probe does not measure (the policy then learns costs from windows alone)."""
@@ -148,7 +133,8 @@ def _machine_costs(model: SkippableModel) -> PassCosts | None:
     try:
         costs = probe(LayerShapes.from_config(model.config))
         plain_rows = model.exactness.min_rows if model.exactness.exact else 1
-        return costs.with_target(str(model.dtype).removeprefix("torch."), plain_rows)
+        target = weights if weights in ("int8", "int4") else str(model.dtype).removeprefix("torch.")
+        return costs.with_target(target, plain_rows)
     except (AttributeError, ValueError):  # a config without the usual fields, or fp16
         return None
 
@@ -166,8 +152,10 @@ class Spirit:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.dtype_reason = loaded.dtype_reason
+        self.weights = loaded.weights  # the linear layers' precision: the model that defines the output
+        self.packing = loaded.packing
         self.model = SkippableModel(loaded.hf_model)
-        self.costs = _machine_costs(self.model)
+        self.costs = _machine_costs(self.model, loaded.weights)
         self.engine = Engine(self.model, max_context, quantized_cache=_quantized_cache(loaded), costs=self.costs)
         self.eos_token_ids = _eos_ids(loaded)
         self._policies: dict[tuple, Policy] = {}
@@ -232,10 +220,9 @@ class Spirit:
         """Offline calibration (the `dv` baseline): measured tokens/s of a configuration on
         the calibration prompts in turn, a short run each, after one warm-up."""
         from spirit.policies.base import StaticPolicy, VanillaPolicy
-        from spirit.policies.dv import CALIBRATION_PROMPTS
 
         info = self.info
-        prompts = [self.encode(p, chat=bool(getattr(self.tokenizer, "chat_template", None))) for p in CALIBRATION_PROMPTS]
+        prompts = [self.encode(p, chat=bool(getattr(self.tokenizer, "chat_template", None))) for p in policy.calibration_prompts]
         self.generate(prompts[0], max_new_tokens=8, policy=VanillaPolicy(info))
         turns = itertools.cycle(prompts)
 
@@ -260,42 +247,14 @@ class Spirit:
         assert stream.result is not None
         return stream.result
 
-    def _request(
-        self,
-        prompt,
-        policy: Policy | None,
-        *,
-        max_new_tokens: int = 128,
-        method: str = "vanilla",
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        sampling_mode: str = "auto",
-        stop: Sequence[str] = (),
-        chat: bool = False,
-        skip: SkipSet | str | None = None,
-        draft: DraftConfig | None = None,
-        profile_file: str | Path | None = None,
-        tag: str | None = None,
-        learner: str = SHARED_LEARNER,
-        **knobs,
-    ) -> tuple[Request, Policy]:
-        """`draft` or its fields as keywords (max_draft, threshold, ngram, draft_vocab,
-        branches, ...; see DraftConfig) set the drafting knobs the policy works with.
-        `sampling_mode`: gumbel, rejection or auto (see SamplingParams.mode)."""
-        if method == "hf":
+    def _request(self, prompt, policy: Policy | None, **options) -> tuple[Request, Policy]:
+        """The request the options describe (Request.build validates them), and the policy
+        that decodes it: the one given, or the method's kept one."""
+        request = Request.build(prompt, **options)
+        if request.method == "hf":
             raise ValueError("method 'hf' (transformers' generate) has no streaming; use generate()")
-        unknown = sorted(set(knobs) - set(DraftConfig.__dataclass_fields__) - {"skip", "probe"})
-        if unknown:
-            raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
-        draft = replace(draft or default_draft(method), **knobs)
-        sampling = SamplingParams(temperature, top_p, top_k, seed, sampling_mode)
-        request = Request(prompt, max_new_tokens, method, sampling, tuple(stop), chat, tag, learner)
         if policy is None:
-            policy = self.policy(method, skip, draft, profile_file)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            policy = self.policy(request.method, request.skip, request.draft, request.profile_file)
         return request, policy
 
     def _generate_hf(
@@ -312,8 +271,8 @@ class Spirit:
         **_ignored,
     ) -> GenerationResult:
         """transformers' own `generate`, timed the same way, for comparison."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        Request.build(prompt, max_new_tokens=max_new_tokens, method="hf", temperature=temperature, top_p=top_p,
+                      top_k=top_k, seed=seed, chat=chat, stop=stop)  # the same checks as every request
         ids = self.encode(prompt, chat)
         self.engine.check_fits(len(ids), max_new_tokens)
         if seed is not None:
@@ -322,7 +281,8 @@ class Spirit:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=self.hf_model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.hf_model.device),
                 max_new_tokens=max_new_tokens, eos_token_id=sorted(self.eos_token_ids) or None,
                 pad_token_id=self.tokenizer.pad_token_id or next(iter(self.eos_token_ids), 0),
                 stop_strings=list(stop) or None, tokenizer=self.tokenizer if stop else None, **sampling,
@@ -338,13 +298,6 @@ class Spirit:
         return GenerationResult(text, new, stats, finish, "hf")
 
 
-def default_draft(method: str) -> DraftConfig:
-    """The drafting knobs a method runs with unless told otherwise (its policy's
-    `default_draft`; "hf" and unknown names get DraftConfig(), unknown ones fail later)."""
-    factory = REGISTRY.factories.get(method)
-    return getattr(factory, "default_draft", DraftConfig())
-
-
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(loaded.hf_model, "generation_config", None), loaded.hf_model.config):
@@ -358,12 +311,16 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load(name_or_path: str, dtype: torch.dtype | str | None = None, max_context: int | None = None) -> Spirit:
-    """Load a bundled model name, a local folder or .gguf file, or a cached hub id."""
-    return Spirit(load_model(name_or_path, dtype), max_context)
+def load(name_or_path: str, dtype: torch.dtype | str | None = None, max_context: int | None = None,
+         device: torch.device | str | None = None, weights: str = "auto") -> Spirit:
+    """Load a bundled model name, a local folder or .gguf file, or a cached hub id, on
+    `device` ("auto": CUDA where torch sees a GPU, else the CPU; CUDA is untested here), with
+    its linear layers in `weights` precision ("auto"/"bf16": the dtype's; "int8", "int4":
+    packed, and the output is that low-bit model's: model/lowbit.py)."""
+    return Spirit(load_model(name_or_path, dtype, device, weights), max_context)
 
 
 def from_pretrained_model(hf_model, tokenizer, name: str = "model", max_context: int | None = None) -> Spirit:
     """Wrap an already loaded transformers model and tokenizer (tests, notebooks)."""
-    dtype = next(hf_model.parameters()).dtype
-    return Spirit(LoadedModel(name, Path("."), hf_model.eval(), tokenizer, dtype), max_context)
+    first = next(hf_model.parameters())
+    return Spirit(LoadedModel(name, Path("."), hf_model.eval(), tokenizer, first.dtype, device=first.device), max_context)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from spirit.cli_args import add_decoding_args, add_model_args, generation_kwargs, load_for_cli
 from spirit.model.bundled import BUNDLED
+from spirit.request import Request
 
 
 class CLIError(Exception):
@@ -72,15 +73,12 @@ def _optional_commands() -> list[tuple[str, Callable]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.method == "static" and not args.skip:
-        raise CLIError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
+    kwargs = generation_kwargs(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise CLIError("empty prompt: pass --prompt or pipe text on stdin")
+    Request.build(prompt, chat=args.chat, stop=args.stop, **kwargs)  # bad options fail before the model loads
     lm = load_for_cli(args)
-    kwargs = generation_kwargs(args)
     if args.method == "hf":
         result = lm.generate(prompt, chat=args.chat, stop=args.stop, **kwargs)
         if not args.json:
@@ -99,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         payload["model"] = lm.name
         payload["dtype"] = str(lm.dtype).removeprefix("torch.")
         payload["dtype_reason"] = lm.dtype_reason
+        payload["weights"] = lm.weights
         payload["exactness"] = lm.exactness.to_dict()
         print(json.dumps(payload))
     elif args.stats:
@@ -111,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         # the output is a function of the dtype and of whether verification is bit-exact here
         dtype = str(lm.dtype).removeprefix("torch.")
-        print(f"[{lm.name} {dtype}] dtype: {lm.dtype_reason}", file=sys.stderr)
+        print(f"[{lm.name} {dtype}] dtype: {lm.dtype_reason}; linear layers: {lm.weights}", file=sys.stderr)
         print(f"[{lm.name} {dtype}] {lm.exactness.reason}", file=sys.stderr)
     return 0
 

@@ -11,6 +11,11 @@ from spirit.sampling import SAMPLING_MODES
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"bundled name, local folder, .gguf file or cached hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default): CUDA where torch sees a GPU, else the CPU. CUDA is untested so far")
+    p.add_argument("--weights", default="auto", choices=("auto", "bf16", "int8", "int4"),
+                   help="precision of the linear layers that decode: auto/bf16 keep the dtype's; int8/int4 pack "
+                        "them (the output is then that low-bit model's)")
     p.add_argument("--dtype", default="auto", help="auto (the faster of bf16 and fp32 for a plain step, measured on this machine by the hardware probe: seconds once, then kept), bf16 or fp32")
 
 
@@ -42,7 +47,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 def load_for_cli(args: argparse.Namespace):
     import spirit
 
-    return spirit.load(args.model, dtype=args.dtype)
+    return spirit.load(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -57,7 +62,7 @@ def draft_config(args: argparse.Namespace):
     """The method's default drafting knobs with what the command line sets."""
     from dataclasses import replace
 
-    from spirit.api import default_draft
+    from spirit.request import default_draft
 
     given = dict(ngram=args.ngram, draft_vocab=args.draft_vocab, branches=args.branches, threshold=args.threshold,
                  draft_bits=args.draft_bits)

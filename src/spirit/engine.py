@@ -11,8 +11,9 @@ A speculative round from the pending token x0:
   commit  x0 plus the n accepted drafts; the recovered/bonus token becomes pending.
 Rejected slots are simply not advanced over (see model/kv_cache.py); nothing is copied.
 
-The engine measures and the policy decides: every `policy.window_tokens` new tokens it
-reports a `WindowStats` and asks for the next `DraftConfig`.
+The engine measures and the policy decides: the policy's `Plan` says what a window runs and
+for how many new tokens; at its end the engine reports a `WindowStats` carrying the plan back
+and asks for the next one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from spirit.draft_model.learners import SHARED_LEARNER, DraftLearners
 from spirit.draft_model.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
 from spirit.machine import DRAFT_BITS_FORMAT, PassCosts
 from spirit.model.adapter import SkippableModel
+from spirit.model.lowbit import PackedLinear
+from spirit.plan import Plan
 from spirit.policies.base import ModelInfo, Policy, RequestInfo, VanillaPolicy
 from spirit.proposers import DraftContext, DraftResources, Proposer
 from spirit.sampling import GumbelNoise, SamplingParams, pick, probabilities, randomness
@@ -58,7 +61,7 @@ class DecodeSettings:
 
 @dataclass
 class _Window:
-    config: DraftConfig
+    plan: Plan
     started: float
     counters: Counters = field(default_factory=Counters)
     probe_agreement: float | None = None
@@ -87,8 +90,8 @@ class Engine:
     def quantized_mlps(self, bits: int) -> QuantizedMLPs | None:
         """The model's MLPs quantized to `bits` for drafts (None for 0), on first use: built
         (17.5 s for int4 of a 1.5b model on 2 cores) or loaded from `quantized_cache`."""
-        if not bits:
-            return None
+        if not bits or isinstance(self.model.layers[0].mlp.down_proj, PackedLinear):
+            return None  # a low-bit target's own MLPs are already packed: the draft runs them
         if bits not in self._quantized:
             activation = DEFAULT_ACTIVATION
             if self.costs is not None:
@@ -96,6 +99,8 @@ class Engine:
             path = None
             if self.quantized_cache is not None:
                 suffix = "" if activation == DEFAULT_ACTIVATION else f"-{str(activation).removeprefix('torch.')}"
+                if self.model.device.type != "cpu":  # each device's kernels pack int4 their own way
+                    suffix += f"-{self.model.device.type}"
                 path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}{suffix}.pt")
             self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path, activation)
         return self._quantized[bits]
@@ -143,26 +148,27 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
 
-        config = self._known_sources(policy.start_request(request))
+        plan = self._known_sources(policy.start_request(request))
         heads = self.learners.start(learner, prompt_ids, settings.eos_token_ids)
         sources = proposers.for_request(DraftResources(self.model, self.quantized_mlps, heads.head), self.sources)
         cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
-        prompt = torch.tensor([prompt_ids])
+        prompt = torch.tensor([prompt_ids], device=self.model.device)
         logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
         first = self._pick(logits, sampling, generator, len(prompt_ids))
         ids = list(prompt_ids) + [first]
         stats.prefill_time_s = time.perf_counter() - t_start
         budget = settings.max_new_tokens - 1
-        window = _Window(config, time.perf_counter())
+        window = _Window(plan, time.perf_counter())
         done = first in settings.eos_token_ids or budget == 0
         yield [first]  # the prefill's token; windows measure decoding only
         done = done or (stop_requested is not None and stop_requested())
 
         while not done:
-            if window.config.probe is not None and window.probe_agreement is None:
-                window.probe_agreement = self._probe(ids, cache, window.config.probe, window.counters)
-            if window.config.speculative:
-                context = DraftContext(ids, cache, window.config, sampling, generator, settings.eos_token_ids)
+            config = window.plan.config
+            if config.probe is not None and window.probe_agreement is None:
+                window.probe_agreement = self._probe(ids, cache, config.probe, window.counters)
+            if config.speculative:
+                context = DraftContext(ids, cache, config, sampling, generator, settings.eos_token_ids)
                 new = self._speculative_round(context, sources, budget, window.counters)
             else:
                 new = self._plain_step(ids, cache, sampling, generator, window.counters)
@@ -176,7 +182,7 @@ class Engine:
             done = eos_at is not None or budget <= 0
             yield new
             done = done or (stop_requested is not None and stop_requested())
-            if window.counters.new_tokens >= policy.window_tokens and not done:
+            if window.counters.new_tokens >= window.plan.window_tokens and not done:
                 window = self._close_window(window, request, policy, stats, len(ids), final=False)
 
         self._close_window(window, request, policy, stats, len(ids), final=True)
@@ -199,7 +205,8 @@ class Engine:
     ) -> list[int]:
         t0 = time.perf_counter()
         committed = len(ids) - 1
-        logits = self.model.forward(torch.tensor([[ids[-1]]]), committed, cache, _NO_SKIP, exact=self.exact)[0]
+        step = torch.tensor([[ids[-1]]], device=self.model.device)
+        logits = self.model.forward(step, committed, cache, _NO_SKIP, exact=self.exact)[0]
         token = self._pick(logits, sampling, generator, committed + 1)
         counters.verify_time_s += time.perf_counter() - t0
         return [token]
@@ -221,13 +228,14 @@ class Engine:
             tree = tree.truncated(self.model.exactness.max_rows)  # larger passes are not row-invariant here
         t1 = time.perf_counter()
         committed = len(ids) - 1
-        verify_input = torch.tensor([tree.tokens], device=self.model.device)
+        device = self.model.device
+        verify_input = torch.tensor([tree.tokens], device=device)
         if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
             target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP, exact=self.exact)  # [size, vocab]
         else:
             target_logits = self.model.forward(
                 verify_input, committed, cache, _NO_SKIP,
-                positions=tree.positions(committed), visible=tree.visible(committed), exact=self.exact,
+                positions=tree.positions(committed, device), visible=tree.visible(committed, device), exact=self.exact,
             )
         if sampling.greedy:
             verdict = verify_tree_greedy(tree, target_logits)
@@ -271,12 +279,13 @@ class Engine:
         if n < 4:
             return None
         t0 = time.perf_counter()
-        inputs = torch.tensor([ids[committed - n : committed]])
-        targets = torch.tensor(ids[committed - n + 1 : committed + 1])
-        positions = torch.arange(committed - n, committed)
-        visible = torch.zeros(n, committed + n, dtype=torch.bool)
+        device = self.model.device
+        inputs = torch.tensor([ids[committed - n : committed]], device=device)
+        targets = torch.tensor(ids[committed - n + 1 : committed + 1], device=device)
+        positions = torch.arange(committed - n, committed, device=device)
+        visible = torch.zeros(n, committed + n, dtype=torch.bool, device=device)
         visible[:, : committed - n] = True
-        visible[:, committed:] = torch.ones(n, n, dtype=torch.bool).tril()
+        visible[:, committed:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         logits = self.model.forward(inputs, committed, cache, skip, positions=positions, visible=visible)
         agreement = float((logits.argmax(dim=-1) == targets).float().mean())
         counters.probe_time_s += time.perf_counter() - t0
@@ -294,7 +303,7 @@ class Engine:
         now = time.perf_counter()
         feedback = WindowStats(
             request_id=request.request_id,
-            config=window.config,
+            plan=window.plan,
             counters=window.counters,
             wall_time_s=now - window.started,
             context_length=context_length,
@@ -302,12 +311,13 @@ class Engine:
             final=final,
         )
         stats.counters.add(window.counters)
-        described = window.config.describe(self.model.shape.num_layers)
+        config = window.plan.config
+        described = config.describe(self.model.shape.num_layers)
         stats.configs.append(described)
         stats.windows.append(
             {
                 "config": described,
-                "skip_ratio": window.config.skip.ratio(self.model.shape.num_layers) if window.config.skip else 0.0,
+                "skip_ratio": config.skip.ratio(self.model.shape.num_layers) if config.skip else 0.0,
                 "new_tokens": window.counters.new_tokens,
                 "wall_time_s": round(feedback.wall_time_s, 6),
                 "tokens_per_s": round(feedback.tokens_per_s, 3),
@@ -321,9 +331,9 @@ class Engine:
         # the policy's deciding time is counted in the next window, which starts now
         return _Window(self._known_sources(policy.on_window(feedback)), now)
 
-    def _known_sources(self, config: DraftConfig) -> DraftConfig:
+    def _known_sources(self, plan: Plan) -> Plan:
         known = {source.name for source in self.sources}
-        for name in config.sources:
+        for name in plan.config.sources:
             if name not in known:
                 raise ValueError(f"unknown draft source {name!r}; this engine has {', '.join(sorted(known))}")
-        return config
+        return plan

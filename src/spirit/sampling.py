@@ -118,8 +118,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id from probabilities [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from probabilities [vocab]. Drawn on the CPU, where the request's
+    generator lives, whatever device the model runs on: the same seed draws the same."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 # -- gumbel mode ------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class GumbelNoise:
 def perturbed_logprobs(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
     """log of the processed probabilities (-inf where top-k / top-p left 0) plus Gumbel
     noise: [..., vocab]. Its argmax is an exact sample of `probabilities(logits, params)`."""
-    return probabilities(logits, params).log_().add_(noise)
+    return probabilities(logits, params).log_().add_(noise.to(logits.device))
 
 
 def gumbel_pick(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spirit.plan import Plan
 from spirit.skipset import DraftConfig
 
 
@@ -45,6 +46,21 @@ class Counters:
     def acceptance_rate(self) -> float:
         return _ratio(self.accepted, self.drafted)
 
+    def to_dict(self) -> dict:
+        """The one serialization of counters (API results, benchmark files), with the
+        derived rates."""
+        return {
+            "draft_rounds": self.draft_rounds,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_round": round(self.mean_accepted, 4),
+            "draft_time_s": round(self.draft_time_s, 6),
+            "verify_time_s": round(self.verify_time_s, 6),
+            "probe_time_s": round(self.probe_time_s, 6),
+            "lookup_rounds": self.lookup_rounds,
+        }
+
     @property
     def mean_accepted(self) -> float:
         return _ratio(self.accepted, self.draft_rounds)
@@ -55,12 +71,17 @@ class WindowStats:
     """What a policy hears at the end of each window of decoding."""
 
     request_id: int
-    config: DraftConfig  # the configuration that ran during the window
+    plan: Plan  # what the policy planned for the window, echoed back
     counters: Counters
     wall_time_s: float  # includes the policy's own deciding and probing time
     context_length: int  # tokens in context at the window's end
     probe_agreement: float | None = None  # share of top-1 matches of config.probe, if asked
     final: bool = False  # the request ended inside this window
+
+    @property
+    def config(self) -> DraftConfig:
+        """The configuration that ran during the window."""
+        return self.plan.config
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,7 +107,6 @@ class GenerationStats:
         return _ratio(self.new_tokens, self.wall_time_s - self.prefill_time_s)
 
     def to_dict(self) -> dict:
-        c = self.counters
         return {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
@@ -94,15 +114,7 @@ class GenerationStats:
             "prefill_time_s": round(self.prefill_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-            "draft_rounds": c.draft_rounds,
-            "drafted_tokens": c.drafted,
-            "accepted_tokens": c.accepted,
-            "acceptance_rate": round(c.acceptance_rate, 4),
-            "mean_accepted_per_round": round(c.mean_accepted, 4),
-            "draft_time_s": round(c.draft_time_s, 6),
-            "verify_time_s": round(c.verify_time_s, 6),
-            "probe_time_s": round(c.probe_time_s, 6),
-            "lookup_rounds": c.lookup_rounds,
+            **self.counters.to_dict(),
             "configs": list(self.configs),
             "windows": list(self.windows),
         }

@@ -87,11 +87,11 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
-    def positions(self, committed: int) -> torch.Tensor:
+    def positions(self, committed: int, device: torch.device | None = None) -> torch.Tensor:
         """[size] position of each node: the committed length plus its depth."""
-        return torch.tensor(self.depths) + committed
+        return torch.tensor(self.depths, device=device) + committed
 
-    def visible(self, committed: int) -> torch.Tensor:
+    def visible(self, committed: int, device: torch.device | None = None) -> torch.Tensor:
         """[size, committed + size] bool: node i sees the committed slots, itself and its
         ancestors (slot committed + j for each ancestor j)."""
         n = self.size
@@ -101,4 +101,4 @@ class DraftTree:
             p = self.parents[i]
             if p >= 0:
                 ancestors[i] |= ancestors[p]  # parents come first, so their row is complete
-        return torch.cat([torch.ones(n, committed, dtype=torch.bool), ancestors], dim=1)
+        return torch.cat([torch.ones(n, committed, dtype=torch.bool), ancestors], dim=1).to(device)

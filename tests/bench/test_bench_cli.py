@@ -80,7 +80,7 @@ def test_without_questions_the_error_says_where_to_get_spec_bench(capsys, tmp_pa
         (["--methods", "vanilla,nope"], "unknown method(s) 'nope'"),
         (["--categories", "poetry"], "unknown category 'poetry'"),
         (["--stream", "qa,poetry"], "unknown category 'poetry'"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--skip", "bogus:1"], "bad skip set part"),
         (["--per-block", "2"], "--per-block needs --stream"),
         (["--sample", "0"], "--sample must be >= 1"),

@@ -5,7 +5,7 @@ a fresh draft state and on one that learned from every earlier request."""
 import pytest
 from test_smollm2 import EXACTNESS_PROMPTS, lm_bf16  # noqa: F401 (the fixture)
 
-from spirit.api import default_draft
+from spirit.request import default_draft
 from spirit.policies import REGISTRY
 from spirit.policies.base import ModelInfo
 

@@ -33,7 +33,7 @@ class RandomPolicy(Policy):
         return self.config(random_skipset(LAYERS, self.rng.uniform(0, 1), self.rng), probe=None)
 
     def plan(self):
-        return self._next()
+        return self.window(self._next())
 
 
 @settings(max_examples=15, deadline=None)

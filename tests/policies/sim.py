@@ -47,22 +47,22 @@ def run(policy: Policy, landscape: Landscape, prompts: list[tuple[int, ...]], to
     first_id = len({r for r, *_ in log.windows})
     for n, prompt in enumerate(prompts):
         rid = first_id + n
-        config = policy.start_request(RequestInfo(rid, prompt, tokens))
+        plan = policy.start_request(RequestInfo(rid, prompt, tokens))
         context, remaining = start_context + len(prompt), tokens
         while remaining > 0:
-            w = min(max(1, policy.window_tokens), remaining)
+            w, config = min(plan.window_tokens, remaining), plan.config
             speed = landscape.plain_tps(context) * landscape.speedup_of(config) * (1 + noise * rng.gauss(0, 1))
             counters = window_counters(landscape, config, w, landscape.speedup_of(config))
             context += w
             remaining -= w
-            stats = WindowStats(rid, config, counters, w / max(speed, 1e-6), context,
+            stats = WindowStats(rid, plan, counters, w / max(speed, 1e-6), context,
                                 probe_agreement=landscape.matchness(config.probe) if config.probe else None,
                                 final=remaining == 0)
             log.windows.append((rid, config, speed, w))
             if remaining == 0:
                 policy.end_request(stats)
             else:
-                config = policy.on_window(stats)
+                plan = policy.on_window(stats)
     return log
 
 

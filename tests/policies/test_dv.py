@@ -18,7 +18,7 @@ def test_calibration_picks_the_fastest_measured_configuration():
     assert measured[0] is None and len(measured) == 13
     best = max([s for s in measured if s is not None], key=lambda s: 10.0 + 2.0 * len(s.attn) - 1.5 * len(s.mlp))
     assert policy.skip == best
-    assert policy.start_request(None).skip == best
+    assert policy.start_request(None).config.skip == best
 
 
 def test_keeps_plain_decoding_when_nothing_beats_it():

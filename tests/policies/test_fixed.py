@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from sim import Landscape, prompts_of, ratio_peak, run
 
-from spirit.api import default_draft
+from spirit.request import default_draft
 from spirit.policies import REGISTRY, FixedPolicy, ModelInfo, SpiritPolicy
 from spirit.skipset import DraftConfig, SkipSet
 
@@ -38,14 +38,14 @@ def test_is_the_ratio_0_arm_spirit_settles_on_when_skipping_costs():
 
     spirit = SpiritPolicy(ModelInfo(L), SpiritPolicy.default_draft)
     log = run(spirit, Landscape(speedup=lambda skip: 1.0, config_speedup=speedup), prompts_of(0, 8), noise=0.01)
-    assert log.configs_of(7)[-1] == FixedPolicy(ModelInfo(L), SpiritPolicy.default_draft).plan() == RATIO_0_ARM
+    assert log.configs_of(7)[-1] == FixedPolicy(ModelInfo(L), SpiritPolicy.default_draft).plan().config == RATIO_0_ARM
 
 
 @pytest.mark.parametrize("ngram, expected", [(True, DraftConfig(ngram=True)), (False, DraftConfig())])
 def test_without_quantized_drafts_the_arm_drafts_no_model_pass(ngram, expected):
     # as in spirit: skipping nothing at full precision is no model draft (lookup alone, or plain)
     policy = FixedPolicy(ModelInfo(L), DraftConfig(ngram=ngram))
-    assert policy.plan() == expected and policy.plan().skip is None
+    assert policy.plan().config == expected and policy.plan().config.skip is None
 
 
 def test_generates_vanillas_tokens_on_a_tiny_model():

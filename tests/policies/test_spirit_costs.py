@@ -6,6 +6,7 @@ from dataclasses import replace
 from machines import AVX2, DRAFT, LAYERS, VOCAB, XEON, landscape
 from sim import Log, prompts_of, run
 
+from spirit.plan import Plan
 from spirit.policies.base import ModelInfo, RequestInfo
 from spirit.policies.cost_model import Acceptance, CostModel, speed, window_figures
 from spirit.policies.spirit import SpiritPolicy
@@ -110,7 +111,7 @@ def test_a_rare_short_trial_checks_a_prediction_that_ruled_everything_out():
 def test_window_figures_recover_the_decomposition():
     # 10 rounds of 4 drafted / 2 accepted (3 tokens each) and 5 plain steps: 35 tokens; each
     # round costs 2.5 plain steps of 0.1 s: 10 * 0.25 + 5 * 0.1 = 3.0 s
-    stats = WindowStats(0, DRAFT, Counters(new_tokens=35, draft_rounds=10, drafted=40, accepted=20, lookup_rounds=4),
+    stats = WindowStats(0, Plan(DRAFT), Counters(new_tokens=35, draft_rounds=10, drafted=40, accepted=20, lookup_rounds=4),
                         3.0, 500)
     acceptance, cost = window_figures(stats, 0.1)
     assert abs(cost - 2.5) < 1e-9
@@ -151,5 +152,5 @@ def test_without_a_probe_an_unmeasured_arm_is_always_worth_a_trial():
     policy = SpiritPolicy(ModelInfo(LAYERS), DRAFT)
     policy.start_request(RequestInfo(0, prompts_of(0, 1)[0], TOKENS))
     assert policy.costs.predict(arm([("mlp", 3)])) is None
-    assert policy._worth(arm([("mlp", 3)]))
+    assert policy._trial_window(arm([("mlp", 3)])) is not None
     assert CostModel(LAYERS).predict(DraftConfig()) == 1.0  # plain decoding is the reference

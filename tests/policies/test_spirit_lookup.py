@@ -60,7 +60,7 @@ def test_calibration_windows_are_plain_decoding():
 
 def test_lookup_policy_always_drafts_by_lookup_only():
     policy = LookupPolicy(ModelInfo(L), DraftConfig(ngram_tokens=5))
-    config = policy.plan()
+    config = policy.plan().config
     assert config.ngram and config.skip is None and config.ngram_tokens == 5 and config.speculative
 
 

@@ -116,13 +116,14 @@ def test_a_new_task_measures_the_ratio_0_draft_first_even_after_a_skipping_neigh
 
 def test_plain_refresh_windows_are_short():
     # a refresh of the speed model runs at plain speed: it must not take a whole short request
-    from spirit.policies.spirit import EXPLOIT_WINDOW, PLAIN_REFRESH, PLAIN_WINDOW
+    from spirit.policies.spirit import EXPLOIT_WINDOW, PLAIN_REFRESH, PLAIN_WINDOW, Stage
 
     policy = SpiritPolicy(ModelInfo(L), base())
     run(policy, landscape(1.5), prompts_of(0, 6), noise=0.01)
-    assert policy.profile.stage == "exploit"
+    assert policy.profile.stage == Stage.EXPLOIT
     policy.windows_since_plain = PLAIN_REFRESH
-    config = policy.plan()
-    assert not config.speculative and policy.window_tokens == PLAIN_WINDOW < EXPLOIT_WINDOW
+    plan = policy.plan()
+    assert not plan.config.speculative and plan.window_tokens == PLAIN_WINDOW < EXPLOIT_WINDOW
     policy.windows_since_plain = 0
-    assert policy.plan().speculative and policy.window_tokens == EXPLOIT_WINDOW
+    plan = policy.plan()
+    assert plan.config.speculative and plan.window_tokens == EXPLOIT_WINDOW

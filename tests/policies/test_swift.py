@@ -20,7 +20,7 @@ def test_keeps_improving_candidates_and_stops_at_target_matchness():
     land = Landscape(lambda s: 1.0, matchness=lambda s: min(0.99, 0.5 + 0.06 * len(s.attn)))
     run(policy, land, prompts_of(0, 40), tokens=64)
     assert policy.best_score >= 0.95 and not policy.optimizing
-    assert policy.window_tokens == 64
+    assert policy.plan().window_tokens == 64 and policy.plan().config.probe is None
 
 
 def test_stops_after_300_steps_without_improvement():

@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spirit import proposers
-from spirit.engine import DecodeSettings, Engine
+from spirit.engine import Engine
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import ModelInfo, Policy
 from spirit.proposers import DraftContext, Proposer
 from spirit.skipset import DraftConfig
-from spirit.testing import tiny_model
+from spirit.testing import decode_all, tiny_model
 from spirit.tree import DraftTree
 
 LAYERS = 4
@@ -45,17 +45,10 @@ class AlwaysRepeat(Policy):
     name = "always-repeat"
 
     def plan(self):
-        return self.config(None, sources=("repeat",))
+        return self.window(self.config(None, sources=("repeat",)))
 
 
-def decode(eng: Engine, prompt: list[int], n: int, policy: Policy | None):
-    out: list[int] = []
-    decoding = eng.decode(prompt, DecodeSettings(max_new_tokens=n), policy)
-    while True:
-        try:
-            out.extend(next(decoding))
-        except StopIteration as end:
-            return out, end.value
+decode = decode_all
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +105,7 @@ def test_sources_are_asked_in_listed_order_and_the_first_guess_wins(engines):
         name = "both"
 
         def plan(self):
-            return self.config(None, ngram=True, sources=("repeat",))
+            return self.window(self.config(None, ngram=True, sources=("repeat",)))
 
     extended.sources = proposers.SOURCES + (Counting,)
     try:

@@ -70,6 +70,7 @@ def plan(args: argparse.Namespace) -> dict:
     from spirit.bench.questions import load_questions, questions_path, sample, select, stream_blocks
     from spirit.bench.runner import available_methods, with_baseline
     from spirit.model.bundled import DEFAULT_MODEL
+    from spirit.request import Request
     from spirit.skipset import SkipSet
 
     known = available_methods()
@@ -87,8 +88,7 @@ def plan(args: argparse.Namespace) -> dict:
     methods = with_baseline(methods)
 
     max_new = _given(args.max_new_tokens, QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
-    if max_new < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
+    Request.build("", max_new_tokens=max_new)  # the same check as every request, before loading
     skip = SkipSet.parse(args.skip) if args.skip else None
 
     if args.sample is not None and args.per_category is not None:
@@ -127,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     n = len(p["questions"]) if p["questions"] is not None else sum(len(b.questions) for b in p["blocks"])
     print(f"spirit bench: {p['model']}, {n} questions, methods {','.join(p['methods'])}, "
           f"max {p['max_new_tokens']} new tokens -> {p['out']}", file=sys.stderr)
-    lm = spirit.load(p["model"], dtype=args.dtype)
+    lm = spirit.load(p["model"], dtype=args.dtype, device=args.device, weights=args.weights)
     if p["skip"] is not None:
         p["skip"].validate(lm.num_layers)
     result = run_bench(

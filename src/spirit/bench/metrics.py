@@ -114,7 +114,6 @@ class Figures:
         return {k: v / total for k, v in parts.items()}
 
     def to_dict(self) -> dict:
-        c = self.counters
         return {
             "questions": self.questions,
             "turns": self.turns,
@@ -123,17 +122,10 @@ class Figures:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
             "speedup": None if self.speedup is None else round(self.speedup, 4),
-            "draft_rounds": c.draft_rounds,
-            "drafted_tokens": c.drafted,
-            "accepted_tokens": c.accepted,
-            "acceptance_rate": round(c.acceptance_rate, 4),
-            "mean_accepted_per_round": round(c.mean_accepted, 4),
+            **self.counters.to_dict(),
             "decoding_steps": self.decoding_steps,
             "committed_per_step": round(self.committed_per_step, 4),
             "prefill_time_s": round(self.prefill_time_s, 6),
-            "draft_time_s": round(c.draft_time_s, 6),
-            "verify_time_s": round(c.verify_time_s, 6),
-            "probe_time_s": round(c.probe_time_s, 6),
             "time_split": {k: round(v, 4) for k, v in self.time_split().items()},
             "peak_rss_mb": round(self.peak_rss_bytes / 2**20, 1),
         }

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from spirit.api import default_draft
+from spirit.request import Request, default_draft
 from spirit.bench.metrics import BASELINE, QuestionRun, TurnResult, compare_lossless, summarize
 from spirit.bench.questions import Block, Question
 from spirit.skipset import DraftConfig, SkipSet, skipset_from_sublayers
@@ -72,7 +72,7 @@ class SpiritMethod:
             lm.engine.quantized_mlps(draft.draft_bits)  # built or loaded once, like the weights
             policy = REGISTRY.create(self.name, lm.info, draft, **extra)
             try:
-                return lm.generate(prompt, policy=policy, learner=WARMUP_LEARNER, **kwargs)
+                return lm.generate(prompt, policy=policy, learner=WARMUP_LEARNER, **kwargs, **self._kwargs())
             finally:
                 lm.engine.learners.forget(WARMUP_LEARNER)
         return lm.generate(prompt, learner=self.learner_key, **kwargs, **self._kwargs())
@@ -256,8 +256,7 @@ def run_bench(
 
     from spirit.bench.machine import machine_info, vanilla_sol
 
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    Request.build("", max_new_tokens=max_new_tokens)  # every turn's options, checked once before the run
     if blocks is not None:
         questions = [q for b in blocks for q in b.questions]
         block_of = [b.index for b in blocks for _ in b.questions]

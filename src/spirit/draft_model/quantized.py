@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spirit.model.quantize import INT4_GROUP, int4_fits, quantize_int4, quantize_int8
+from spirit.model.quantize import (INT4_GROUP, int4_fits, int4_matmul, int8_matmul, quantize_int4,
+                                   quantize_int8)
 
 BITS = (4, 8)
 # The int kernels' activation dtype, unless the hardware probe says another is faster here:
@@ -64,9 +65,12 @@ class QuantizedLinear:
         bias = None if linear.bias is None else linear.bias.detach()
         if bits not in BITS:
             raise QuantizationError(f"draft bits must be one of {BITS}, got {bits}")
-        if bits == 4 and int4_fits(out_features, in_features):
+        if bits == 4 and int4_fits(out_features, in_features, device=weight.device.type):
             packed, scales = quantize_int4(weight, INT4_GROUP)
             return cls(4, packed, scales.to(activation), INT4_GROUP, bias, out_features)
+        if weight.device.type != "cpu":
+            raise QuantizationError(f"a {out_features}x{in_features} weight has no {bits}-bit draft kernel on "
+                                    f"{weight.device.type} (int8 runs on CPU only); use --draft-bits 0")
         q, scales = quantize_int8(weight)
         return cls(8, q, scales.to(activation), 0, bias, out_features)
 
@@ -77,9 +81,9 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(self.activation)
         if self.bits == 8:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+            y = int8_matmul(rows, self.weight, self.scales)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales)
+            y = int4_matmul(rows, self.weight, self.group_size, self.scales)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -164,7 +168,8 @@ class QuantizedMLPs:
     @classmethod
     def load(cls, path: Path, layers: list[nn.Module], bits: int,
              activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedMLPs":
-        state = torch.load(path, weights_only=True)
+        device = layers[0].mlp.down_proj.weight.device if layers else torch.device("cpu")
+        state = torch.load(path, weights_only=True, map_location=device)
         if state["bits"] != bits or len(state["layers"]) != len(layers):
             raise QuantizationError(f"{path} holds other quantized MLPs")
         mlps = []

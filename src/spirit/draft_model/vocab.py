@@ -53,8 +53,8 @@ class DraftHead:
     """The lm_head rows of a token subset, kept contiguous so a draft reads only them."""
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.token_ids = token_ids  # [n] long: row r scores token token_ids[r]
-        self.weight = weight.detach().index_select(0, token_ids).contiguous()  # [n, hidden]
+        self.token_ids = token_ids.to(weight.device)  # [n] long: row r scores token token_ids[r]
+        self.weight = weight.detach().index_select(0, self.token_ids).contiguous()  # [n, hidden]
         self.vocab_size = weight.shape[0]
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ class DraftHead:
     def to_full(self, sub_logits: torch.Tensor) -> torch.Tensor:
         """[n] subset logits -> [vocab] with -inf for every token outside the subset, so the
         same sampling code gives q = 0 there (exact for speculative sampling)."""
-        full = torch.full((self.vocab_size,), float("-inf"), dtype=sub_logits.dtype)
+        full = torch.full((self.vocab_size,), float("-inf"), dtype=sub_logits.dtype, device=sub_logits.device)
         full[self.token_ids] = sub_logits
         return full
 
@@ -89,7 +89,7 @@ class DraftHeads:
         version, head = self._heads.get(size, (-1, None))
         if head is None or version != self.table.version:
             ids = self.table.top(size)
-            if head is None or not torch.equal(ids, head.token_ids):
+            if head is None or not torch.equal(ids, head.token_ids.cpu()):
                 head = DraftHead(self._weight, ids)
             self._heads[size] = (self.table.version, head)
         return head

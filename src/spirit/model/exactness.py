@@ -33,6 +33,7 @@ from torch import nn
 
 from spirit.model.attention import RowKeys, rowwise_attention
 from spirit.model.bundled import cache_root
+from spirit.model.lowbit import PackedLinear
 from spirit.model.probe import machine_key
 from spirit.skipset import SkipSet
 
@@ -92,13 +93,26 @@ def _check(model: "SkippableModel") -> Exactness:
     )
 
 
-def _distinct_linears(model: "SkippableModel") -> list[nn.Linear]:
-    """One linear layer per distinct (out, in, bias) shape: a decoder layer's and the lm_head."""
-    found: dict[tuple, nn.Linear] = {}
+def _distinct_linears(model: "SkippableModel") -> list[nn.Module]:
+    """One linear layer per distinct (out, in, bias, format) shape: a decoder layer's and the
+    lm_head, whether nn.Linear or packed to low bits (model/lowbit.py)."""
+    found: dict[tuple, nn.Module] = {}
     for module in [*model.layers[0].modules(), model.lm_head]:
-        if isinstance(module, nn.Linear):
-            found.setdefault((*module.weight.shape, module.bias is not None), module)
+        if isinstance(module, nn.Linear) or isinstance(module, PackedLinear):
+            found.setdefault((*_out_in(module), module.bias is not None, _format(module)), module)
     return list(found.values())
+
+
+def _out_in(linear: nn.Module) -> tuple[int, int]:
+    return (linear.out_features, linear.in_features)
+
+
+def _format(linear: nn.Module) -> str:
+    """What decides the kernel path besides the shape: the dtype, or the packed format and
+    the dtype of the activations it runs in."""
+    if isinstance(linear, PackedLinear):
+        return f"{linear.format}-{str(linear.activation).removeprefix('torch.')}"
+    return str(linear.weight.dtype)
 
 
 def _linear_max_rows(linears: list[nn.Linear], min_rows: int) -> tuple[int, str]:
@@ -149,9 +163,9 @@ def _layer_max_rows(linear: nn.Linear, min_rows: int) -> tuple[int, str]:
     100,000 outputs, for qwen2.5-1.5b's 1536x8960 down projection in 2 of 10,000. So each
     pass size compares about COMPARED_OUTPUTS outputs.
     """
-    out_features, in_features = linear.weight.shape
-    weight = linear.weight
-    key = f"{out_features}x{in_features}|{linear.bias is not None}|{weight.dtype}|{weight.device.type}|{torch.get_num_threads()}|{min_rows}"
+    out_features, in_features = _out_in(linear)
+    dtype, device = _io_dtype_device(linear)
+    key = f"{out_features}x{in_features}|{linear.bias is not None}|{_format(linear)}|{device.type}|{torch.get_num_threads()}|{min_rows}"
     _load_measured()
     if key in _LAYER_MEASURED:
         return _LAYER_MEASURED[key]
@@ -160,7 +174,7 @@ def _layer_max_rows(linear: nn.Linear, min_rows: int) -> tuple[int, str]:
     # scores a third of the outputs we want to compare (an lm_head)
     sampled = 3 * out_features >= COMPARED_OUTPUTS
     rows = PASS_ROWS[-1] if sampled else max(PASS_ROWS[-1], COMPARED_OUTPUTS // out_features)
-    x = (0.5 * torch.randn(rows + 1, in_features, generator=generator)).to(linear.weight.device, linear.weight.dtype)
+    x = (0.5 * torch.randn(rows + 1, in_features, generator=generator)).to(device, dtype)
     filler = x[-1:]  # the other rows of a padded reference pass: any values will do
     checked = sorted({r for n in PASS_ROWS for r in (0, n // 2, n - 1)}) if sampled else range(rows)
     references = {row: linear(torch.cat([x[row : row + 1], filler.expand(min_rows - 1, -1)]))[0] for row in checked}
@@ -175,6 +189,13 @@ def _layer_max_rows(linear: nn.Linear, min_rows: int) -> tuple[int, str]:
     _LAYER_MEASURED[key] = result
     _save_measured()
     return result
+
+
+def _io_dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of the activations a linear layer takes in the model."""
+    if isinstance(linear, PackedLinear):
+        return linear.activation, linear.packed.device
+    return linear.weight.dtype, linear.weight.device
 
 
 def _first_differing_row(linear: nn.Linear, x: torch.Tensor, n: int, rows: int, references: dict[int, torch.Tensor]) -> int | None:

@@ -36,6 +36,9 @@ class LoadedModel:
     dtype: torch.dtype
     # why this dtype: it defines the output, so --stats and reports say how it was chosen
     dtype_reason: str = "given by the caller"
+    device: torch.device = torch.device("cpu")
+    weights: str = "bf16"  # the precision of the linear layers that decode: the model's dtype, int8 or int4
+    packing: dict | None = None  # what packing the linear layers did (model/lowbit.py), if any
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -51,12 +54,29 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def choose_dtype(config) -> tuple[torch.dtype, str]:
-    """`--dtype auto`: the faster of bfloat16 and float32 for a plain decoding step of this
-    model on this machine, by the hardware probe (model/probe.py; seconds once, then kept).
-    Not a CPU flag: bfloat16 reads half the bytes, and measured faster even on an AVX2-only
-    EPYC without native bf16 (2.68 against 2.28 tok/s)."""
-    if torch.cuda.is_available():
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """"auto" (or None): CUDA where torch sees a GPU, else the CPU."""
+    if isinstance(name, torch.device):
+        return name
+    name = name or "auto"
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.split(":")[0] not in DEVICES[1:]:
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA GPU here (this torch build or machine has none)")
+    return torch.device(name)
+
+
+def choose_dtype(config, device: torch.device = torch.device("cpu")) -> tuple[torch.dtype, str]:
+    """`--dtype auto`: bfloat16 on a GPU; on a CPU the faster of bfloat16 and float32 for a
+    plain decoding step of this model on this machine, by the hardware probe (model/probe.py;
+    seconds once, then kept). Not a CPU flag: bfloat16 reads half the bytes, and measured
+    faster even on an AVX2-only EPYC without native bf16 (2.68 against 2.28 tok/s)."""
+    if device.type == "cuda":
         return torch.bfloat16, "the GPU default"
     from spirit.model.probe import LayerShapes, probe
 
@@ -135,25 +155,62 @@ def _from_hub_cache(repo_id: str) -> Path:
         ) from None
 
 
-def load(name_or_path: str, dtype: torch.dtype | str | None = None) -> LoadedModel:
+def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch.device) -> Path | None:
+    """Where a packing of this model's weights is kept: named by what it is computed from
+    (the weight files, as path, size and time; the format and activation dtype; the device
+    and torch version, whose kernels define the packed layout)."""
+    import hashlib
+
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    if not files:
+        return None
+    key = [str(folder.resolve()), fmt, str(activation), device.type, torch.__version__]
+    key += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    return cache_root() / "lowbit" / f"{folder.name}-{fmt}-{digest}.pt"
+
+
+def load(name_or_path: str, dtype: torch.dtype | str | None = None,
+         device: torch.device | str | None = None, weights: str = "auto") -> LoadedModel:
+    """`weights`: the precision of the linear layers that decode and verify: "auto" follows
+    the dtype, "bf16" is the bf16 model; "int8" / "int4" pack every decoder linear layer to
+    that format (model/lowbit.py), the model's dtype (bf16 by default then) running the rest."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spirit.model.lowbit import PACKED_FORMATS, WEIGHTS, pack_layers
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
-    name, folder = resolve(name_or_path)
+    target = resolve_device(device)
     reason = "asked for"
+    if weights == "bf16":
+        if torch_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"--weights bf16 and --dtype {str(torch_dtype).removeprefix('torch.')} disagree; give one")
+        torch_dtype = torch.bfloat16
+    if torch_dtype is None and weights in PACKED_FORMATS:
+        # the packed kernels take bf16 activations (model/quantize.py); the rest follows them
+        torch_dtype, reason = torch.bfloat16, f"the activation dtype of the {weights} kernels"
+    name, folder = resolve(name_or_path)
     try:
         if torch_dtype is None:
             from transformers import AutoConfig
 
-            torch_dtype, reason = choose_dtype(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+            torch_dtype, reason = choose_dtype(AutoConfig.from_pretrained(str(folder), local_files_only=True), target)
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"could not load a causal LM from {folder}: {exc}") from exc
-    model.eval()
-    return LoadedModel(name, folder, model, tokenizer, torch_dtype, reason)
+    model.to(target).eval()
+    packing = None
+    if weights in PACKED_FORMATS:
+        layers = model.model.layers
+        packing = pack_layers(layers, weights, torch.bfloat16, _packed_cache(folder, weights, torch.bfloat16, target))
+    return LoadedModel(name, folder, model, tokenizer, torch_dtype, reason, target,
+                       weights if weights in PACKED_FORMATS else str(torch_dtype).removeprefix("torch."), packing)
 
 
-__all__ = ["load", "resolve", "ModelNotFoundError", "ModelFetchError", "LoadedModel", "choose_dtype", "parse_dtype"]
+__all__ = ["load", "resolve", "resolve_device", "ModelNotFoundError", "ModelFetchError", "LoadedModel", "choose_dtype",
+           "parse_dtype"]

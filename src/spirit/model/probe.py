@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from spirit.machine import FLOAT_FORMATS, LOWBIT_FORMATS, FormatCosts, PassCosts, last_level_cache_bytes
 from spirit.model.bundled import cache_root
-from spirit.model.quantize import INT4_GROUP, int4_fits, quantize_int4, quantize_int8
+from spirit.model.quantize import INT4_GROUP, int4_fits, int4_matmul, int8_matmul, quantize_int4, quantize_int8
 
 ROWS = (1, 2, 4, 8, 16)
 FORMATS = FLOAT_FORMATS + LOWBIT_FORMATS
@@ -211,9 +211,9 @@ class _Linear:
     def __call__(self, xs: dict[int, torch.Tensor]) -> torch.Tensor:
         x = xs[self.in_features]
         if self.fmt == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+            return int8_matmul(x, self.weight, self.scales)
         if self.fmt == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
+            return int4_matmul(x, self.weight, INT4_GROUP, self.scales)
         return F.linear(x, self.weight)
 
     def copy(self) -> "_Linear":

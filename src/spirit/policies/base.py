@@ -1,7 +1,8 @@
 """The policy interface: plain Python, no torch.
 
-Data flows one way: the policy returns a `DraftConfig`, the engine decodes one window with
-it and reports a `WindowStats`, and the policy returns the next configuration. Policies keep
+Data flows one way: the policy returns a `Plan` (a DraftConfig, a window length and its own
+note of why), the engine decodes one window with it and reports a `WindowStats` that carries
+the plan back, and the policy returns the next plan. Nothing else passes between them. Policies keep
 state across requests (a stream of requests is what they adapt to) and can save it.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar
 
 from spirit.machine import PassCosts
+from spirit.plan import Plan
 from spirit.skipset import VANILLA, DraftConfig, SkipSet
 from spirit.stats import WindowStats
 
@@ -38,8 +40,8 @@ class Policy(ABC):
     """Chooses the draft configuration for each window of decoding."""
 
     name: ClassVar[str] = ""
-    # tokens generated per window; a policy may change it between windows
-    window_tokens: int = 32
+    # tokens per window unless a plan says otherwise
+    window_tokens: ClassVar[int] = 32
     # the drafting knobs this method runs with unless the caller sets them: SWIFT's chain
     # defaults, no lookup, full draft head (the baselines are faithful reimplementations)
     default_draft: ClassVar[DraftConfig] = DraftConfig()
@@ -52,17 +54,21 @@ class Policy(ABC):
         """The base knobs with this window's skip set (and any other choice the policy makes)."""
         return replace(self.base, skip=skip, probe=probe, **choices)
 
+    def window(self, config: DraftConfig, tokens: int | None = None, trial: tuple[str, Any] = ("", None)) -> Plan:
+        """A plan for `config`, over `tokens` new tokens (default: the class's window)."""
+        return Plan(config, tokens or self.window_tokens, trial)
+
     @abstractmethod
-    def plan(self) -> DraftConfig:
-        """The configuration for the next window."""
+    def plan(self) -> Plan:
+        """The plan for the next window."""
 
     def learn(self, stats: WindowStats) -> None:
         """Take in the figures of a finished window (default: nothing to learn)."""
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
+    def start_request(self, request: RequestInfo) -> Plan:
         return self.plan()
 
-    def on_window(self, stats: WindowStats) -> DraftConfig:
+    def on_window(self, stats: WindowStats) -> Plan:
         self.learn(stats)
         return self.plan()
 
@@ -71,8 +77,10 @@ class Policy(ABC):
         self.learn(stats)
 
     # False for policies that must measure configurations offline before serving (`dv`);
-    # the caller then runs `calibrate(measure)` with measure(skip) -> tokens/s
+    # the caller then runs `calibrate(measure)` with measure(skip) -> tokens/s, measuring on
+    # the policy's own `calibration_prompts` in turn
     calibrated: bool = True
+    calibration_prompts: ClassVar[tuple[str, ...]] = ()
 
     def calibrate(self, measure: Callable[[SkipSet | None], float]) -> None:
         """Offline calibration; nothing to do for online policies."""
@@ -93,8 +101,8 @@ class VanillaPolicy(Policy):
     name = "vanilla"
     window_tokens = 64
 
-    def plan(self) -> DraftConfig:
-        return VANILLA  # whatever the base says: this is the reference
+    def plan(self) -> Plan:
+        return self.window(VANILLA)  # whatever the base says: this is the reference
 
 
 class StaticPolicy(Policy):
@@ -109,8 +117,8 @@ class StaticPolicy(Policy):
             raise ValueError("method 'static' needs a skip set, e.g. --skip 'attn:4,9;mlp:4,9,12'")
         self.skip = skip.validate(model.num_layers)
 
-    def plan(self) -> DraftConfig:
-        return self.config(self.skip)
+    def plan(self) -> Plan:
+        return self.window(self.config(self.skip))
 
 
 class LookupPolicy(Policy):
@@ -119,8 +127,8 @@ class LookupPolicy(Policy):
     name = "lookup"
     window_tokens = 64
 
-    def plan(self) -> DraftConfig:
-        return self.config(None, ngram=True)
+    def plan(self) -> Plan:
+        return self.window(self.config(None, ngram=True))
 
 
 PolicyFactory = Callable[..., Policy]

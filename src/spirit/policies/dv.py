@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 
 from spirit.policies import gp
+from spirit.plan import Plan
 from spirit.policies.base import REGISTRY, ModelInfo, Policy
 from spirit.skipset import DraftConfig, SkipSet
 
@@ -32,6 +33,7 @@ CALIBRATION_PROMPTS = (
 class DraftVerifyPolicy(Policy):
     name = "dv"
     window_tokens = 64
+    calibration_prompts = CALIBRATION_PROMPTS
 
     def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0,
                  trials: int = CALIBRATION_TRIALS) -> None:
@@ -65,8 +67,8 @@ class DraftVerifyPolicy(Policy):
         self.skip = SkipSet.from_vector(best_vec) if best_vec is not None else None
         self.calibrated = True
 
-    def plan(self) -> DraftConfig:
-        return self.config(self.skip)
+    def plan(self) -> Plan:
+        return self.window(self.config(self.skip))
 
     def state_dict(self) -> dict:
         return {"skip": str(self.skip) if self.skip else None, "calibrated": self.calibrated, "trials": self.trials}

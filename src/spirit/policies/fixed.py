@@ -8,6 +8,7 @@ its draft sources (and what it costs, since searching runs slower arms now and t
 
 from __future__ import annotations
 
+from spirit.plan import Plan
 from spirit.policies.base import REGISTRY, Policy
 from spirit.policies.spirit import SpiritPolicy
 from spirit.skipset import DraftConfig, SkipSet
@@ -18,14 +19,14 @@ class FixedPolicy(Policy):
     default_draft = SpiritPolicy.default_draft
     window_tokens = 64  # windows only report here: nothing is decided between them
 
-    def plan(self) -> DraftConfig:
+    def plan(self) -> Plan:
         # The configuration is spirit's ratio-0 arm: the quantized draft skipping no sublayer,
         # prompt lookup first. It is the arm spirit's first search starts from and the one that
         # measured fastest on most tasks (docs/benchmarks/), and it needs no choice of sublayers
         # to skip: any skip set would be a per-model, per-task tuning, which is the policy's
         # work this method leaves out. As in SpiritPolicy._arm, skipping nothing without a
         # quantized draft is no model draft (lookup alone, or plain decoding without lookup).
-        return self.config(SkipSet() if self.base.draft_bits else None)
+        return self.window(self.config(SkipSet() if self.base.draft_bits else None))
 
 
 REGISTRY.register(FixedPolicy)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from spirit.plan import Plan
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
 from spirit.policies.speed_model import SpeedModel
 from spirit.skipset import DraftConfig, SkipSet
@@ -80,7 +81,6 @@ class Sp2ecPolicy(Policy):
         self.seen = {i: 0 for i in range(1, L - 1)}
         self.best_keep = L  # start from plain decoding: no regret before evidence
         self.search: GoldenSection | None = None
-        self.probe_n = L
         self.probes_per_query: list[int] = []
 
     def order(self) -> list[int]:
@@ -95,7 +95,7 @@ class Sp2ecPolicy(Policy):
             return None
         return SkipSet.of_layers(self.order()[:count])
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
+    def start_request(self, request: RequestInfo) -> Plan:
         L = self.model.num_layers
         lo = max(self.min_keep, self.best_keep - BRACKET)
         hi = min(L, self.best_keep + BRACKET)
@@ -105,13 +105,15 @@ class Sp2ecPolicy(Policy):
         self.probes_per_query.append(0)
         return self.plan()
 
-    def plan(self) -> DraftConfig:
+    def plan(self) -> Plan:
+        """The next probe of the search (layers kept), or the best found once it is done;
+        the plan carries the number kept back to learn()."""
         if not self.speed.calibrated:
-            self.probe_n = self.model.num_layers
+            keep = self.model.num_layers
         else:
             n = self.search.next_probe() if self.search else None
-            self.probe_n = n if n is not None else self.best_keep
-        return self.config(self.skip_for(self.probe_n))
+            keep = n if n is not None else self.best_keep
+        return self.window(self.config(self.skip_for(keep)), trial=("keep", keep))
 
     def learn(self, stats: WindowStats) -> None:
         if stats.counters.new_tokens < MIN_TOKENS:
@@ -127,8 +129,9 @@ class Sp2ecPolicy(Policy):
         score = self.speed.normalized(stats)
         if score is None or self.search is None:
             return
-        if self.probe_n not in self.search.values:
-            self.search.values[self.probe_n] = score
+        _, keep = stats.plan.trial
+        if keep not in self.search.values:
+            self.search.values[keep] = score
             self.probes_per_query[-1] += 1
             self.best_keep = self.search.best()
 

@@ -42,7 +42,9 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 
+from spirit.plan import Plan
 from spirit.policies.base import REGISTRY, ModelInfo, Policy, RequestInfo
 from spirit.policies.cost_model import Acceptance, CostModel, arm_key, window_figures
 from spirit.policies.features import ProfileIndex, prompt_vector
@@ -87,11 +89,24 @@ def prior_order(num_layers: int) -> list[tuple[str, int]]:
     return sorted(sublayer_ids(num_layers), key=lambda s: (abs(s[1] - center) + (0.5 if s[0] == "mlp" else 0.0), s))
 
 
+class Stage(str, Enum):
+    """Where a task's search stands: ratio -> source -> pattern -> exploit, and back to
+    ratio when speed shifts or a re-probe is due. A str, so saved profiles stay plain JSON."""
+
+    RATIO = "ratio"  # measuring skip ratios on the grid
+    SOURCE = "source"  # one trial of the incumbent with prompt lookup switched the other way
+    PATTERN = "pattern"  # swapping single sublayers of the incumbent's skip set
+    EXPLOIT = "exploit"  # running the incumbent, with plain windows that recalibrate
+
+
+MAX_TRANSITIONS = 8  # stage changes one plan() may make before it must decide (a bug guard)
+
+
 @dataclass
 class TaskProfile:
     pending: list[float] = field(default_factory=lambda: first_grid(PRIOR_RATIO))  # ratios left to measure
     ratio_scores: dict[str, list[float]] = field(default_factory=dict)  # "0.20" -> normalized speeds
-    stage: str = "ratio"  # ratio -> source -> pattern -> exploit
+    stage: Stage = Stage.RATIO
     refined: bool = False
     ratio: float = 0.0
     skip: list[list] | None = None  # the incumbent pattern, as [kind, layer] pairs
@@ -153,12 +168,10 @@ class SpiritPolicy(Policy):
         self.speed = SpeedModel()
         self.costs = CostModel(model.num_layers, model.vocab, model.costs)
         self.plain_since_trial = 0  # plain windows since a trial ran (for REPROBE_GATED)
-        self.gated_trial = False  # the trial being planned was let through to check a prediction
         self.index = ProfileIndex()
         self.profiles: list[TaskProfile] = []
         self.order: list[tuple[str, int]] = prior_order(model.num_layers)
         self.current = 0
-        self.trial: tuple[str, object] = ("plain", None)
         self.windows_since_plain = 0
         self.context = 0.0  # context length at the last feedback
         # recent windows' (profile, trial kind, ratio, score), for reports; bounded because a
@@ -188,104 +201,101 @@ class SpiritPolicy(Policy):
             return self.config(None)
         return self._arm(p.skip or [])
 
-    def plan(self) -> DraftConfig:
-        """Decide what the next window runs, and remember why (self.trial)."""
+    def plan(self) -> Plan:
+        """What the next window runs, and why (the plan's trial, which learn() reads back).
+        Each stage's step either decides or moves the profile to another stage."""
         p = self.profile
-        self.window_tokens = SEARCH_WINDOW
         if not self.speed.calibrated:
-            self.trial = ("plain", None)
-            return self.config(None)
-        if p.stage == "ratio":
-            if not p.pending:
-                self._finish_ratio_stage(p)
-                return self.plan()
-            means = _means(p)
-            if p.owe_best and means:
-                return self._run_best(means)
-            ratio = p.pending[0]
-            arm = self._arm(self.pattern_for(ratio))
-            if not self._worth(arm):
-                p.pending.pop(0)
-                p.gated.append(_key(ratio))
-                return self.plan()
-            self.trial = ("ratio", ratio)
-            return self._short(arm)
-        if p.stage == "source":
-            if p.owe_best:  # after a trial, the incumbent
-                self.trial = ("exploit", None)
-                return self._incumbent(p)
-            arm = self._arm(p.skip or [], ngram=not p.ngram)
-            if p.source_tried or not self._worth(arm):
-                p.source_tried = True
-                p.stage = "pattern" if p.skip else "exploit"
-                return self.plan()
-            self.trial = ("source", not p.ngram)
-            return self._short(arm)
-        if p.stage == "pattern":
-            if p.trials_left <= 0 or not p.skip:
-                p.stage = "exploit"
-                return self.plan()
-            candidate = self._swap([tuple(s) for s in p.skip]) if not p.owe_best else None
-            if candidate is None:
-                if p.owe_best:  # between two swaps, the incumbent
-                    self.trial = ("exploit", None)
-                    return self._incumbent(p)
-                p.stage = "exploit"
-                return self.plan()
-            self.trial = ("pattern", candidate)
-            return self._arm(candidate)
-        # exploit
-        self.window_tokens = EXPLOIT_WINDOW
+            return self._plain(SEARCH_WINDOW)
+        steps = {Stage.RATIO: self._ratio_step, Stage.SOURCE: self._source_step,
+                 Stage.PATTERN: self._pattern_step, Stage.EXPLOIT: self._exploit_step}
+        for _ in range(MAX_TRANSITIONS):
+            decided = steps[p.stage](p)
+            if decided is not None:
+                return decided
+        raise RuntimeError(f"spirit policy: no decision after {MAX_TRANSITIONS} stage changes ({p.stage})")
+
+    def _plain(self, tokens: int) -> Plan:
+        return self.window(self.config(None), tokens, ("plain", None))
+
+    def _ratio_step(self, p: TaskProfile) -> Plan | None:
+        if not p.pending:
+            self._finish_ratio_stage(p)  # more ratios to measure, or the next stage
+            return None
+        means = _means(p)
+        if p.owe_best and means:
+            return self._run_best(means)
+        ratio = p.pending[0]
+        arm = self._arm(self.pattern_for(ratio))
+        tokens = self._trial_window(arm)
+        if tokens is None:  # predicted not to pay: ruled out without a window
+            p.pending.pop(0)
+            p.gated.append(_key(ratio))
+            return None
+        return self.window(arm, tokens, ("ratio", ratio))
+
+    def _source_step(self, p: TaskProfile) -> Plan | None:
+        if p.owe_best:  # after a trial, the incumbent
+            return self.window(self._incumbent(p), SEARCH_WINDOW, ("exploit", None))
+        arm = self._arm(p.skip or [], ngram=not p.ngram)
+        tokens = None if p.source_tried else self._trial_window(arm)
+        if tokens is None:
+            p.source_tried = True
+            p.stage = Stage.PATTERN if p.skip else Stage.EXPLOIT
+            return None
+        return self.window(arm, tokens, ("source", not p.ngram))
+
+    def _pattern_step(self, p: TaskProfile) -> Plan | None:
+        if p.trials_left <= 0 or not p.skip:
+            p.stage = Stage.EXPLOIT
+            return None
+        candidate = self._swap([tuple(s) for s in p.skip]) if not p.owe_best else None
+        if candidate is None:
+            if p.owe_best:  # between two swaps, the incumbent
+                return self.window(self._incumbent(p), SEARCH_WINDOW, ("exploit", None))
+            p.stage = Stage.EXPLOIT
+            return None
+        return self.window(self._arm(candidate), SEARCH_WINDOW, ("pattern", candidate))
+
+    def _exploit_step(self, p: TaskProfile) -> Plan | None:
         if not p.skip and p.exploited >= REPROBE_EVERY:
             # settled on plain decoding or the ratio-0 draft: now and then check whether
             # skipping pays now (longer contexts, another machine state); one window of
             # regret per REPROBE_EVERY (two when the ratio-0 draft may now beat plain decoding)
-            p.exploited, p.stage, p.refined, p.gated = 0, "ratio", False, []
+            p.exploited, p.stage, p.refined, p.gated = 0, Stage.RATIO, False, []
             if p.drafting:
                 p.ratio_scores, p.pending = {_key(0.0): [p.score]}, [RATIO_GRID[1]]
             else:
                 p.ratio_scores = self._plain_scores()
                 p.pending = [RATIO_GRID[1]] if not self.zero_arm else [0.0, RATIO_GRID[1]]
-            return self.plan()
+            return None
         stale = self.windows_since_plain >= PLAIN_REFRESH or not self.speed.covers(self.context)
         if (p.skip or p.drafting) and stale:
-            self.trial = ("plain", None)
-            self.window_tokens = PLAIN_WINDOW
-            return self.config(None)
-        self.trial = ("exploit", None)
-        return self._incumbent(p)
+            return self._plain(PLAIN_WINDOW)
+        return self.window(self._incumbent(p), EXPLOIT_WINDOW, ("exploit", None))
 
-    def _run_best(self, means: dict[float, float]) -> DraftConfig:
+    def _run_best(self, means: dict[float, float]) -> Plan:
         """The best ratio measured so far in this search; plain decoding (1.0 by definition)
         when nothing measured beats it."""
         best = _best_ratio(means)
         if means[best] < 1.0 or (best == 0.0 and not self.zero_arm):
-            self.trial = ("plain", None)
-            return self.config(None)
-        self.trial = ("best", best)
-        return self._arm(self.pattern_for(best))
+            return self._plain(SEARCH_WINDOW)
+        return self.window(self._arm(self.pattern_for(best)), SEARCH_WINDOW, ("best", best))
 
-    def _worth(self, arm: DraftConfig) -> bool:
-        """Whether a trial of `arm` is predicted to beat plain decoding by the noise margin
-        (always, where nothing can predict it yet); now and then, after REPROBE_GATED plain
-        windows, one trial is let through to check the prediction."""
+    def _trial_window(self, arm: DraftConfig) -> int | None:
+        """Tokens for a trial of `arm`: SEARCH_WINDOW when it is predicted to beat plain
+        decoding by the noise margin (or nothing can predict it yet); None when predicted
+        not to pay, except that once REPROBE_GATED plain windows have passed, one short
+        trial (GATED_TRIAL_WINDOW) is let through to check the prediction."""
         if not arm.speculative:
-            return True
+            return SEARCH_WINDOW
         predicted = self.costs.predict(arm, self.profile.acceptance.get(arm_key(arm, self.model.num_layers)))
         if predicted is None or predicted >= 1 + MARGIN:
-            return True
+            return SEARCH_WINDOW
         if self.plain_since_trial >= REPROBE_GATED:
             self.plain_since_trial = 0
-            self.gated_trial = True
-            return True
-        return False
-
-    def _short(self, arm: DraftConfig) -> DraftConfig:
-        """A trial's window: short when the prediction ruled it out and it only checks that."""
-        if self.gated_trial:
-            self.gated_trial = False
-            self.window_tokens = GATED_TRIAL_WINDOW
-        return arm
+            return GATED_TRIAL_WINDOW
+        return None
 
     def _plain_scores(self) -> dict[str, list[float]]:
         """Grid scores known without measuring: ratio 0 is plain decoding, 1.0 by definition
@@ -320,9 +330,9 @@ class SpiritPolicy(Policy):
             best = 0.0  # nothing beat plain decoding
         p.ratio, p.score = best, means.get(best, 1.0) if p.drafting or not self.zero_arm else 1.0
         p.skip = [list(s) for s in self.pattern_for(best)]
-        p.stage = "pattern" if p.skip else "exploit"
+        p.stage = Stage.PATTERN if p.skip else Stage.EXPLOIT
         if self.lookup and p.drafting and (p.skip or self.base.draft_bits):
-            p.stage, p.source_tried = "source", False
+            p.stage, p.source_tried = Stage.SOURCE, False
         # a profile that kept its neighbour's ratio keeps its refined pattern: one check only
         same = p.inherited is not None and len(p.inherited) == len(p.skip)
         if same:
@@ -340,7 +350,7 @@ class SpiritPolicy(Policy):
 
     # -- feedback ------------------------------------------------------------------------------
 
-    def start_request(self, request: RequestInfo) -> DraftConfig:
+    def start_request(self, request: RequestInfo) -> Plan:
         index, new, nearest = self.index.assign(prompt_vector(request.prompt_tokens))
         if new:
             self.profiles.append(self._new_profile(nearest))
@@ -356,19 +366,19 @@ class SpiritPolicy(Policy):
         if nearest is None or not self.speed.calibrated:
             return profile
         base = self.profiles[nearest]
-        if base.stage == "ratio" and not base.ratio_scores:
+        if base.stage == Stage.RATIO and not base.ratio_scores:
             return profile
         profile.ngram = base.ngram
         r = base.ratio
-        if base.stage == "ratio":  # the neighbour is still searching: its best so far
+        if base.stage == Stage.RATIO:  # the neighbour is still searching: its best so far
             means = _means(base)
             r = _best_ratio(means)
         profile.ratio_scores = self._plain_scores()
-        if r == 0.0 and base.stage == "exploit":
+        if r == 0.0 and base.stage == Stage.EXPLOIT:
             # the nearest task found nothing faster than plain decoding, or than the ratio-0
             # draft: start there, and check the smallest ratio after a few windows rather
             # than at once (a trial costs a window, and most requests are a few windows long)
-            profile.stage, profile.pending = "exploit", []
+            profile.stage, profile.pending = Stage.EXPLOIT, []
             profile.drafting, profile.score = base.drafting, base.score if base.drafting else 1.0
             profile.exploited = REPROBE_EVERY - YOUNG_REPROBE
             return profile
@@ -386,7 +396,7 @@ class SpiritPolicy(Policy):
     def learn(self, stats: WindowStats) -> None:
         if stats.counters.new_tokens < MIN_TOKENS:
             return
-        kind, arg = self.trial
+        kind, arg = stats.plan.trial
         self.context = stats.context_length
         if not stats.config.speculative:
             self.speed.observe_plain(stats)
@@ -403,7 +413,7 @@ class SpiritPolicy(Policy):
             self._learn_costs(p, stats)
         ratio = stats.config.skip.ratio(self.model.num_layers) if stats.config.skip else 0.0
         self.history.append({"profile": self.current, "trial": kind, "ratio": round(ratio, 3), "score": round(score, 4)})
-        if kind == "plain" and p.stage == "ratio" and 0.0 in p.pending and not self.zero_arm:
+        if kind == "plain" and p.stage == Stage.RATIO and 0.0 in p.pending and not self.zero_arm:
             kind, arg = "ratio", 0.0  # the calibration window is the grid's ratio-0 point
         # a speculative trial is followed by a window of the best so far; a plain window that
         # stands for ratio 0 (no lookup) is itself the best-known speed
@@ -469,7 +479,7 @@ class SpiritPolicy(Policy):
         if p.suspicious >= SHIFT_PATIENCE:
             p.suspicious = 0
             p.searches += 1
-            p.stage, p.refined, p.gated = "ratio", False, []
+            p.stage, p.refined, p.gated = Stage.RATIO, False, []
             around = {0.0, p.ratio, round(max(0.0, p.ratio - 0.1), 4), round(min(MAX_RATIO, p.ratio + 0.1), 4)}
             p.pending = sorted(around)
             p.ratio_scores = {}
@@ -495,6 +505,7 @@ class SpiritPolicy(Policy):
             for p in state.get("profiles", [])
         ]
         for p in self.profiles:
+            p.stage = Stage(p.stage)
             p.acceptance = {k: Acceptance(**v) if isinstance(v, dict) else v for k, v in p.acceptance.items()}
         costs = state.get("costs", {})
         if costs.get("machine") == self._machine():
@@ -507,7 +518,7 @@ class SpiritPolicy(Policy):
         return self.costs.probe.machine if self.costs.probe is not None else ""
 
     def describe(self) -> str:
-        parts = [f"task {i}: {p.stage} ratio={p.ratio:.2f} score={p.score:.2f}" for i, p in enumerate(self.profiles)]
+        parts = [f"task {i}: {p.stage.value} ratio={p.ratio:.2f} score={p.score:.2f}" for i, p in enumerate(self.profiles)]
         return "spirit: " + "; ".join(parts)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 
 from spirit.policies import gp
+from spirit.plan import Plan
 from spirit.policies.base import REGISTRY, ModelInfo, Policy
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import WindowStats
@@ -27,11 +28,12 @@ TARGET_MATCHNESS = 0.95
 MAX_STALE = 300
 MAX_STEPS = 1000
 BO_POOL = 256  # random candidates the acquisition function chooses among
+EXPLOIT_WINDOW = 64  # tokens per window once optimization has stopped
 
 
 class SwiftPolicy(Policy):
     name = "swift"
-    window_tokens = 1  # one window per draft round: one candidate per step
+    window_tokens = 1  # while optimizing, one window per draft round: one candidate per step
 
     def __init__(self, model: ModelInfo, base: DraftConfig = DraftConfig(), seed: int = 0) -> None:
         super().__init__(model, base)
@@ -45,7 +47,6 @@ class SwiftPolicy(Policy):
         self.steps = 0
         self.stale = 0
         self.optimizing = True
-        self.candidate: list[int] | None = None
         self.observed: list[tuple[list[int], float]] = []
 
     def _every_other_layer(self) -> list[int]:
@@ -67,26 +68,28 @@ class SwiftPolicy(Policy):
             return gp.suggest(self.observed[-200:], pool)
         return gp.random_vectors(self.eligible, L, self.count, 1, self.rng)[0]
 
-    def plan(self) -> DraftConfig:
-        probe = None
-        if self.optimizing:
-            self.candidate = self.best if self.best_score < 0 else self._propose()
-            probe = SkipSet.from_vector(self.candidate)
-        return self.config(SkipSet.from_vector(self.best), probe=probe)
+    def plan(self) -> Plan:
+        """While optimizing: one-token windows, each probing a candidate skip set (carried in
+        the plan back to learn()); then 64-token windows of the best."""
+        best = SkipSet.from_vector(self.best)
+        if not self.optimizing:
+            return self.window(self.config(best), EXPLOIT_WINDOW)
+        candidate = self.best if self.best_score < 0 else self._propose()
+        return self.window(self.config(best, probe=SkipSet.from_vector(candidate)), 1, ("candidate", candidate))
 
     def learn(self, stats: WindowStats) -> None:
-        if not self.optimizing or stats.probe_agreement is None or self.candidate is None:
+        _, candidate = stats.plan.trial
+        if not self.optimizing or stats.probe_agreement is None or candidate is None:
             return
         score = stats.probe_agreement
         self.steps += 1
-        self.observed.append((self.candidate, score))
+        self.observed.append((candidate, score))
         if score > self.best_score:
-            self.best, self.best_score, self.stale = self.candidate, score, 0
+            self.best, self.best_score, self.stale = candidate, score, 0
         else:
             self.stale += 1
         if self.best_score >= TARGET_MATCHNESS or self.stale >= MAX_STALE or self.steps >= MAX_STEPS:
             self.optimizing = False
-        self.window_tokens = 1 if self.optimizing else 64
 
     def state_dict(self) -> dict:
         return {"best": self.best, "best_score": self.best_score, "steps": self.steps, "stale": self.stale,
@@ -96,7 +99,6 @@ class SwiftPolicy(Policy):
         for key in ("best", "best_score", "steps", "stale", "optimizing"):
             if key in state:
                 setattr(self, key, state[key])
-        self.window_tokens = 1 if self.optimizing else 64
 
 
 REGISTRY.register(SwiftPolicy)

@@ -60,7 +60,8 @@ def draft_layerskip(
     leaves: list[tuple[int, int, torch.Tensor | None]] = []  # (parent node, token, q)
     deterministic = sampling.greedy or isinstance(generator, GumbelNoise)
     for j in range(limit):
-        hidden = model.hidden_states(torch.tensor([[token]]), committed + j, cache, config.skip, mlps=mlps)[0, -1]  # [hidden]
+        step = torch.tensor([[token]], device=model.device)
+        hidden = model.hidden_states(step, committed + j, cache, config.skip, mlps=mlps)[0, -1]  # [hidden]
         # [vocab], -inf outside a reduced head
         logits = model.logits(hidden) if head is None else head.logits(hidden, model.capped)
         if isinstance(generator, GumbelNoise):  # this token is at position committed + j + 1

@@ -46,6 +46,17 @@ class ServerConfig:
     chat_max_tokens: int = 512  # chat requests without max_tokens: this, or the context left
     poll_s: float = 0.25  # how often a waiting request checks that its client is still there
 
+    def __post_init__(self) -> None:
+        # the server's own options, checked once here (a request's are checked by Request)
+        if self.method not in REGISTRY.names():
+            raise ValueError(f"unknown method {self.method!r} for the server; choose one of {', '.join(REGISTRY.names())}")
+        if self.method == "static" and not self.skip:
+            raise ValueError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+
 
 GREEDY_BELOW = 1e-5
 
@@ -373,16 +384,7 @@ def _param(loc) -> str | None:
 
 def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
     """The FastAPI app serving `lm`; its worker thread starts now and stops at shutdown."""
-    if config.method not in REGISTRY.names() or config.method == "hf":
-        names = ", ".join(m for m in REGISTRY.names() if m != "hf")
-        raise ValueError(f"unknown method {config.method!r} for the server; choose one of {names}")
-    if config.method == "static" and not config.skip:
-        raise ValueError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
-    if config.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
-    if config.request_timeout_s is not None and config.request_timeout_s <= 0:
-        raise ValueError(f"--request-timeout must be > 0, got {config.request_timeout_s}")
-    server = _Server(lm, config)
+    server = _Server(lm, config)  # the config checked itself when it was made
 
     @asynccontextmanager
     async def lifespan(app):

@@ -30,28 +30,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ValueError("spirit serve needs fastapi and uvicorn: pip install 'spirit[serve]'") from None
-    from spirit.policies import REGISTRY
     from spirit.server.app import ServerConfig
     from spirit.server.launcher import serve
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.method not in REGISTRY.names() or args.method == "hf":
-        names = ", ".join(m for m in REGISTRY.names() if m != "hf")
-        raise ValueError(f"unknown --method {args.method!r} for the server; choose one of {names}")
+    if args.request_timeout < 0:
+        raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     config = ServerConfig(
         method=args.method, max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
         api_key=args.api_key or os.environ.get("SPIRIT_API_KEY") or None, model_name=args.served_model_name,
         skip=args.skip,
     )
-    if config.method == "static" and not config.skip:
-        raise ValueError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
-    if config.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
-    if args.request_timeout < 0:
-        raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     lm = _load(args)
-    from spirit.api import default_draft
+    from spirit.request import default_draft
 
     # quantized draft MLPs are built (or loaded from disk) now, not in the first request
     lm.engine.quantized_mlps(default_draft(config.method).draft_bits)

@@ -233,7 +233,7 @@ def _measure_model(args: argparse.Namespace) -> int:
     from spirit.sol.measure import measure_decode_step, percent_of_sol
 
     hw = _hardware(args.hardware)
-    loaded = load(args.model, args.dtype)
+    loaded = load(args.model, args.dtype, "cpu")  # the speed-of-light analyzer measures this CPU
     skip = SkipSet.parse(args.skip) if args.skip else None
     sol = decode_cost(loaded.hf_model.config, loaded.dtype, args.context, skip).seconds(hw)
     measured = measure_decode_step(loaded.hf_model, args.context, skip, steps=args.repeats)

@@ -81,3 +81,17 @@ def tiny_spirit(arch: str = "llama", num_layers: int = 4, seed: int = 0, **kw):
     from spirit.api import from_pretrained_model
 
     return from_pretrained_model(tiny_model(arch, num_layers, seed, **kw), byte_tokenizer(), name=f"tiny-{arch}")
+
+
+def decode_all(engine, prompt: list[int], max_new_tokens: int, policy=None, **settings):
+    """Every token `engine.decode` yields, and the GenerationStats it returns: the one
+    oracle the lossless tests compare speculative and plain decoding with."""
+    from spirit.engine import DecodeSettings
+
+    out: list[int] = []
+    decoding = engine.decode(list(prompt), DecodeSettings(max_new_tokens=max_new_tokens, **settings), policy)
+    while True:
+        try:
+            out.extend(next(decoding))
+        except StopIteration as end:
+            return out, end.value
