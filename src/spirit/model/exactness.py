@@ -69,8 +69,9 @@ def check_exactness(model: "SkippableModel") -> Exactness:
 
 
 def _check(model: "SkippableModel") -> Exactness:
-    dtype = str(model.dtype).removeprefix("torch.")
     linears = _distinct_linears(model)
+    # what was checked: the dtype, and each packed format with its activation dtype
+    dtype = " and ".join(dict.fromkeys(_described(linear) for linear in linears))
     failure = ""
     for min_rows in (1, 2):
         max_rows, why = _linear_max_rows(linears, min_rows)
@@ -101,6 +102,12 @@ def _distinct_linears(model: "SkippableModel") -> list[nn.Module]:
         if isinstance(module, nn.Linear) or isinstance(module, PackedLinear):
             found.setdefault((*_out_in(module), module.bias is not None, _format(module)), module)
     return list(found.values())
+
+
+def _described(linear: nn.Module) -> str:
+    if isinstance(linear, PackedLinear):
+        return f"{linear.format} ({str(linear.activation).removeprefix('torch.')} activations)"
+    return str(linear.weight.dtype).removeprefix("torch.")
 
 
 def _out_in(linear: nn.Module) -> tuple[int, int]:
