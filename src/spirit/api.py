@@ -13,7 +13,6 @@ Policies are created once per method and kept, so that successive requests to th
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -22,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from spirit.request import Request
 from spirit.engine import DecodeSettings, Engine
-from spirit.model.adapter import SkippableModel
 from spirit.machine import PassCosts
+from spirit.model.adapter import SkippableModel
 from spirit.model.exactness import Exactness
-from spirit.model.probe import LayerShapes, probe
-from spirit.model.loader import LoadedModel
+from spirit.model.loader import LoadedModel, weights_digest
 from spirit.model.loader import load as load_model
+from spirit.model.probe import LayerShapes, probe
 from spirit.policies import REGISTRY, ModelInfo, Policy
+from spirit.request import Request
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import GenerationStats
 
@@ -109,19 +108,11 @@ class TextStream:
 
 
 def _quantized_cache(loaded: LoadedModel) -> Path | None:
-    """Where this model's quantized draft MLPs are kept: named by what they are computed
-    from (the weight files, as path, size and time; the dtype; the torch version, whose
-    kernels define the packed int4 format), so a changed model or torch gets new ones."""
+    """Where this model's quantized draft MLPs are kept, keyed by its weights and dtype."""
     from spirit.model.bundled import cache_root
 
-    files = sorted(loaded.folder.glob("*.safetensors")) + sorted(loaded.folder.glob("*.bin"))
-    if not files:
-        return None
-    key = [str(loaded.folder.resolve()), str(loaded.dtype), torch.__version__]
-    stats = [(f.name, f.stat()) for f in files]
-    key += [f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in stats]
-    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
-    return cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
+    digest = weights_digest(loaded.folder, str(loaded.dtype))
+    return None if digest is None else cache_root() / "quantized" / f"{loaded.folder.name}-{digest}"
 
 
 def _machine_costs(model: SkippableModel, weights: str) -> PassCosts | None:

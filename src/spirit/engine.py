@@ -81,6 +81,8 @@ class Engine:
         self.learners = DraftLearners(model.lm_head.weight)
         self.sources: tuple[type[Proposer], ...] = proposers.SOURCES  # the draft sources rounds ask
         self._quantized: dict[int, QuantizedMLPs] = {}  # draft bits -> the MLPs at those bits
+        # a low-bit target's own MLPs are already packed: its drafts run them, not copies
+        self._packed_target = isinstance(model.layers[0].mlp.down_proj, PackedLinear)
         self.quantized_cache = quantized_cache  # where quantized MLPs are kept: "<it>-int4.pt"
         # Every full-model pass after prefill is exact (row-wise attention, padded to the rows
         # this machine's kernels need) where the load-time check found that the kernels allow it:
@@ -90,8 +92,8 @@ class Engine:
     def quantized_mlps(self, bits: int) -> QuantizedMLPs | None:
         """The model's MLPs quantized to `bits` for drafts (None for 0), on first use: built
         (17.5 s for int4 of a 1.5b model on 2 cores) or loaded from `quantized_cache`."""
-        if not bits or isinstance(self.model.layers[0].mlp.down_proj, PackedLinear):
-            return None  # a low-bit target's own MLPs are already packed: the draft runs them
+        if not bits or self._packed_target:
+            return None
         if bits not in self._quantized:
             activation = DEFAULT_ACTIVATION
             if self.costs is not None:

@@ -155,19 +155,26 @@ def _from_hub_cache(repo_id: str) -> Path:
         ) from None
 
 
-def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch.device) -> Path | None:
-    """Where a packing of this model's weights is kept: named by what it is computed from
-    (the weight files, as path, size and time; the format and activation dtype; the device
-    and torch version, whose kernels define the packed layout)."""
+def weights_digest(folder: Path, *parts: str) -> str | None:
+    """A short key for something computed from this folder's weights (quantized drafts, a
+    packed target): the weight files (path, size and time), `parts` (what else it depends
+    on) and the torch version, whose kernels define packed layouts; None without weight
+    files. A changed model, option or torch gets a new key."""
     import hashlib
 
     files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
     if not files:
         return None
-    key = [str(folder.resolve()), fmt, str(activation), device.type, torch.__version__]
+    key = [str(folder.resolve()), *parts, torch.__version__]
     key += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
-    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
-    return cache_root() / "lowbit" / f"{folder.name}-{fmt}-{digest}.pt"
+    return hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+
+
+def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch.device) -> Path | None:
+    """Where a packing of this model's weights is kept (format, activation dtype and device
+    decide the packed layout)."""
+    digest = weights_digest(folder, fmt, str(activation), device.type)
+    return None if digest is None else cache_root() / "lowbit" / f"{folder.name}-{fmt}-{digest}.pt"
 
 
 def load(name_or_path: str, dtype: torch.dtype | str | None = None,
