@@ -78,7 +78,7 @@ class Engine:
         self._requests = 0
         # the learned draft state (draft_model/learners.py): a request drafts with and
         # teaches its learner's only
-        self.learners = DraftLearners(model.lm_head.weight)
+        self.learners = DraftLearners(model.head_rows)
         self.sources: tuple[type[Proposer], ...] = proposers.SOURCES  # the draft sources rounds ask
         self._quantized: dict[int, QuantizedMLPs] = {}  # draft bits -> the MLPs at those bits
         # a low-bit target's own MLPs are already packed: its drafts run them, not copies

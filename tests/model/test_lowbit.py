@@ -11,7 +11,7 @@ from torch import nn
 from spirit.engine import Engine
 from spirit.model import lowbit
 from spirit.model.adapter import SkippableModel
-from spirit.model.lowbit import PackedLinear, decoder_linears, pack_layers
+from spirit.model.lowbit import PackedLinear, pack_model, packable_linears
 from spirit.policies.base import LookupPolicy, ModelInfo, StaticPolicy
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.testing import ARCHITECTURES, decode_all, tiny_model
@@ -50,37 +50,48 @@ def test_unknown_formats_are_refused():
         PackedLinear.from_linear(nn.Linear(64, 64), "int3", torch.bfloat16)
 
 
-def test_every_decoder_linear_is_packed_and_the_head_is_not():
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_linear_and_the_head_are_packed_and_the_embedding_is_not(tied):
     model = tiny_model("qwen2", num_layers=2, dtype=torch.bfloat16)
-    count = len(decoder_linears(model.model.layers))
-    done = pack_layers(model.model.layers, "int4", torch.bfloat16)
-    assert count == 2 * 7 and done["linears"] == count and done["bytes_after"] < done["bytes_before"] / 3
-    assert not decoder_linears(model.model.layers)  # nothing left unpacked
-    assert isinstance(model.lm_head, nn.Linear)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    head = model.lm_head.weight.detach().clone()
+    count = len(packable_linears(model))
+    done = pack_model(model, "int4", torch.bfloat16)
+    assert count == 2 * 7 + 1 and done["linears"] == count and done["bytes_after"] < done["bytes_before"] / 2
+    assert model.lm_head.format == "int8"  # 264 outputs: the int4 kernel needs a multiple of 16
+    assert not packable_linears(model)  # nothing left unpacked
+    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.model.embed_tokens, nn.Embedding)
+    # the reduced draft head gathers rows of the unpacked head, which a tied model does not copy
+    adapted = SkippableModel(model)
+    assert torch.equal(adapted.head_rows, head) and adapted.dtype == torch.bfloat16
+    assert (adapted.head_rows.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
+    assert relative_error(model.lm_head.dequantized(), head) < 0.15
 
 
 def test_a_packing_is_kept_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(lowbit, "KEEP_AFTER_S", 0.0)
     path = tmp_path / "tiny-int4.pt"
     built = tiny_model("llama", num_layers=2, dtype=torch.bfloat16)
-    first = pack_layers(built.model.layers, "int4", torch.bfloat16, path)
+    first = pack_model(built, "int4", torch.bfloat16, path)
     assert path.exists() and not first["from_cache"] and not list(tmp_path.glob("*.tmp"))
     again = tiny_model("llama", num_layers=2, dtype=torch.bfloat16)
-    second = pack_layers(again.model.layers, "int4", torch.bfloat16, path)
+    second = pack_model(again, "int4", torch.bfloat16, path)
     assert second["from_cache"]
     x = torch.randn(1, 3, 64, dtype=torch.bfloat16)
     assert torch.equal(built.model.layers[1].mlp(x), again.model.layers[1].mlp(x))
+    assert torch.equal(built.lm_head(x), again.lm_head(x)) and again.lm_head.row_source is not None
     # another model's shapes, or a damaged file: packed again, never used
     other = tiny_model("llama", num_layers=3, dtype=torch.bfloat16)
-    assert not pack_layers(other.model.layers, "int4", torch.bfloat16, path)["from_cache"]
+    assert not pack_model(other, "int4", torch.bfloat16, path)["from_cache"]
     path.write_bytes(b"not a checkpoint")
     fresh = tiny_model("llama", num_layers=2, dtype=torch.bfloat16)
-    assert not pack_layers(fresh.model.layers, "int4", torch.bfloat16, path)["from_cache"]
+    assert not pack_model(fresh, "int4", torch.bfloat16, path)["from_cache"]
 
 
 def packed_engine(arch: str, fmt: str) -> Engine:
     model = tiny_model(arch, num_layers=LAYERS, dtype=torch.bfloat16)
-    pack_layers(model.model.layers, fmt, torch.bfloat16)
+    pack_model(model, fmt, torch.bfloat16)
     return Engine(SkippableModel(model))
 
 

@@ -43,7 +43,9 @@ def register(subparsers) -> None:
                    help="question file in Spec-Bench's format (JSONL), e.g. Spec-Bench's own question.jsonl; "
                         "required except with --quick, which runs the few questions shipped with spirit")
     p.add_argument("--methods", default=None,
-                   help="comma-separated methods (default: every registered one plus hf; vanilla is always added)")
+                   help="comma-separated methods (default: every registered one plus hf; vanilla is always added); "
+                        "llamacpp, llamacpp-lookup (llama.cpp on the model's GGUF file) only when named, and only "
+                        "with the llamacpp extra installed")
     p.add_argument("--categories", default=None, help="comma-separated categories to run (default all)")
     p.add_argument("--per-category", type=int, default=None, help="first N questions of each category (default all)")
     p.add_argument("--sample", type=int, default=None, metavar="N",
@@ -68,7 +70,7 @@ def plan(args: argparse.Namespace) -> dict:
     """Everything the run needs, from the arguments alone (no model loaded): checked here so
     that bad input fails before a model is loaded."""
     from spirit.bench.questions import load_questions, questions_path, sample, select, stream_blocks
-    from spirit.bench.runner import available_methods, with_baseline
+    from spirit.bench.runner import available_methods, check_methods, default_methods, with_baseline
     from spirit.model.bundled import DEFAULT_MODEL
     from spirit.request import Request
     from spirit.skipset import SkipSet
@@ -78,13 +80,11 @@ def plan(args: argparse.Namespace) -> dict:
         methods = _split(args.methods)
         if not methods:
             raise ValueError("--methods is empty; name at least one, e.g. vanilla,static")
-        unknown = [m for m in methods if m not in known]
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
+        check_methods(methods)
     elif args.quick:
         methods = [m for m in QUICK_METHODS if m in known]
     else:
-        methods = known
+        methods = default_methods()
     methods = with_baseline(methods)
 
     max_new = _given(args.max_new_tokens, QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
@@ -148,10 +148,11 @@ def summary(result) -> str:
 
     table = result.by_category()
     lossless = result.lossless()
-    lines = [f"{'method':10s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'tok/step':>8s}  identical to vanilla"]
+    w = max([10, *map(len, table)])  # llamacpp-lookup is longer than spirit's names
+    lines = [f"{'method':{w}s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'tok/step':>8s}  identical to vanilla"]
     for method, row in table.items():
         f = row[OVERALL]
-        lines.append(f"{method:10s} {f.tokens_per_s:8.2f} {(f.speedup or 0):7.2f}x {f.counters.acceptance_rate:7.2f} "
+        lines.append(f"{method:{w}s} {f.tokens_per_s:8.2f} {(f.speedup or 0):7.2f}x {f.counters.acceptance_rate:7.2f} "
                      f"{f.committed_per_step:8.2f}  {lossless_cell(method, lossless.get(method))}")
     lines.append(exactness_line(result.exactness))
     if result.blocks:

@@ -75,11 +75,13 @@ def vanilla_sol(lm, runs) -> dict | None:
     try:
         from spirit.sol import decode_step_seconds
 
-        bound = float(decode_step_seconds(lm.hf_model.config, lm.dtype, int(context), hardware="this-cpu"))
+        weights = getattr(lm, "weights", None)  # a low-bit target's bound is its packed bytes
+        bound = float(decode_step_seconds(lm.hf_model.config, lm.dtype, int(context), hardware="this-cpu", weights=weights))
     except Exception as exc:  # optional subsystem: absent, unfinished, or no data for this CPU
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}", "measured_s_per_token": measured}
     return {
         "available": True,
+        "weights": weights,
         "context_tokens": round(context, 1),
         "sol_s_per_token": bound,
         "measured_s_per_token": measured,

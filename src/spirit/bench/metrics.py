@@ -17,7 +17,8 @@ Conventions (per-request metrics are those of spirit.stats and are not redefined
   questions ran; one process holds one copy of the weights for all methods.
 - *identical*: a method's greedy tokens equal vanilla's, token for token, on every turn of a
   question. Speculation is lossless, so for spirit's methods anything less is a bug; for
-  `hf` (transformers' own generate) it measures transformers, not spirit.
+  `hf` (transformers' own generate) it measures transformers, not spirit, and for `llamacpp`
+  / `llamacpp-lookup` llama.cpp on the GGUF file's own quantized weights (bench/llamacpp.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from spirit.stats import Counters, GenerationStats
 BASELINE = "vanilla"
 # methods that are another library's decoding, not spirit's: their agreement with vanilla is
 # a property of that library, reported apart from spirit's lossless check
-OTHER_ENGINES = {"hf": "transformers' generate"}
+OTHER_ENGINES = {
+    "hf": "transformers' generate",
+    "llamacpp": "llama.cpp (llama-cpp-python)",
+    "llamacpp-lookup": "llama.cpp prompt-lookup drafting",
+}
 
 
 @dataclass

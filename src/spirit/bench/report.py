@@ -150,7 +150,7 @@ def _method_table(table: dict[str, dict[str, Figures]], lossless: dict[str, Loss
 
 def lossless_cell(method: str, ll: Lossless | None) -> str:
     """A method's identical questions, in a table cell: "reference" for vanilla; another
-    engine's agreement (hf) is labelled as that engine's, not as spirit's losslessness."""
+    engine's agreement (hf, llamacpp, ...) is labelled as that engine's, not as spirit's losslessness."""
     if method == BASELINE:
         return "reference"
     if ll is None:
@@ -261,7 +261,7 @@ def _learning_section(result: BenchResult) -> list[str]:
 def _config_section(segments: dict[str, list[dict]], limit: int = 25) -> list[str]:
     lines = ["## Draft configuration over time", ""]
     for method, segs in segments.items():
-        if method == BASELINE:
+        if method == BASELINE or method in OTHER_ENGINES:  # another engine has no spirit configuration
             continue
         if all(s["config"] == "vanilla" for s in segs):
             lines += [f"**{method}**: plain decoding throughout ({sum(s['windows'] for s in segs)} windows)", ""]

@@ -95,10 +95,33 @@ class SpiritMethod:
         return f"its own prompts and outputs only ({table}, learner '{self.learner_key}'); {policy}"
 
 
-def available_methods() -> list[str]:
+def default_methods() -> list[str]:
+    """What runs when no method is named: spirit's policies and "hf". llama.cpp's run only
+    when named (they need a GGUF model and an optional build)."""
     from spirit.policies import REGISTRY
 
     return REGISTRY.names() + ["hf"]
+
+
+def available_methods() -> list[str]:
+    """Every method a bench can run here: llama.cpp's only where llama-cpp-python is installed."""
+    from spirit.bench import llamacpp
+
+    return default_methods() + (list(llamacpp.METHODS) if llamacpp.available() else [])
+
+
+def check_methods(methods: Sequence[str]) -> None:
+    """Unknown names are a user error that lists the known ones; llama.cpp's without
+    llama-cpp-python, one that says what to install."""
+    from spirit.bench import llamacpp
+
+    known = available_methods()
+    missing = [m for m in methods if m in llamacpp.METHODS and m not in known]
+    if missing:
+        raise ValueError(llamacpp.missing_message(missing))
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
 
 
 def default_static_skip(num_layers: int, ratio: float = 0.2) -> SkipSet:
@@ -115,12 +138,11 @@ def default_static_skip(num_layers: int, ratio: float = 0.2) -> SkipSet:
 
 
 def build_runners(methods: Sequence[str], skip: SkipSet | None) -> dict[str, MethodRunner]:
-    """Runners for method names; unknown names are a user error that lists the known ones."""
-    known = available_methods()
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
-    return {m: SpiritMethod(m, skip if m == "static" else None) for m in methods}
+    """Runners for method names (checked by `check_methods`)."""
+    from spirit.bench.llamacpp import METHODS as LLAMACPP, LlamaCppMethod
+
+    check_methods(methods)
+    return {m: LlamaCppMethod(m) if m in LLAMACPP else SpiritMethod(m, skip if m == "static" else None) for m in methods}
 
 
 def learned_from(runner: MethodRunner) -> str:
@@ -250,7 +272,7 @@ def run_bench(
     """Run `methods` on `questions` (or on the questions of stream `blocks`), interleaved.
 
     `runners` maps extra method names to runners (tests, experiments); the other names are
-    looked up among the registered policies and "hf".
+    looked up among the registered policies, "hf" and llama.cpp's (bench/llamacpp.py).
     """
     from tqdm import tqdm
 

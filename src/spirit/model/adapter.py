@@ -104,7 +104,7 @@ class SkippableModel:
             head_dim=getattr(attn0, "head_dim", None)
             or self.config.hidden_size // self.config.num_attention_heads,
             hidden_size=self.config.hidden_size,
-            vocab_size=self.lm_head.weight.shape[0],
+            vocab_size=self.lm_head.out_features,
             max_positions=getattr(self.config, "max_position_embeddings", 2048),
         )
         # Row-wise attention for exact passes is selected by name through transformers'
@@ -115,11 +115,19 @@ class SkippableModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype: the embedding's, which stays unpacked in a low-bit target."""
+        return self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.embed_tokens.weight.device
+
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The lm_head as a float [vocab, hidden] weight whose rows the reduced draft head
+        gathers: the head's own weight, or for a packed head the weight it was packed from."""
+        source = getattr(self.lm_head, "row_source", None)
+        return source if source is not None else self.lm_head.weight
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.shape

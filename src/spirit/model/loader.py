@@ -180,11 +180,11 @@ def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch
 def load(name_or_path: str, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, weights: str = "auto") -> LoadedModel:
     """`weights`: the precision of the linear layers that decode and verify: "auto" follows
-    the dtype, "bf16" is the bf16 model; "int8" / "int4" pack every decoder linear layer to
+    the dtype, "bf16" is the bf16 model; "int8" / "int4" pack every linear layer (lm_head included) to
     that format (model/lowbit.py), the model's dtype (bf16 by default then) running the rest."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spirit.model.lowbit import PACKED_FORMATS, WEIGHTS, pack_layers
+    from spirit.model.lowbit import PACKED_FORMATS, WEIGHTS, pack_model
 
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
@@ -213,8 +213,7 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None,
     model.to(target).eval()
     packing = None
     if weights in PACKED_FORMATS:
-        layers = model.model.layers
-        packing = pack_layers(layers, weights, torch.bfloat16, _packed_cache(folder, weights, torch.bfloat16, target))
+        packing = pack_model(model, weights, torch.bfloat16, _packed_cache(folder, weights, torch.bfloat16, target))
     return LoadedModel(name, folder, model, tokenizer, torch_dtype, reason, target,
                        weights if weights in PACKED_FORMATS else str(torch_dtype).removeprefix("torch."), packing)
 

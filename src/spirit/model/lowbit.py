@@ -2,10 +2,11 @@
 int8 or int4 and run by torch's weight-only kernels (model/quantize.py).
 
 A decoding step on a CPU is bound by reading weights: int4 reads about a quarter of bf16's
-bytes. Every linear layer of every decoder layer (q, k, v, o, gate, up, down) is replaced
-by a `PackedLinear` holding the packed weight, its scales and the bias; the embedding stays
-a lookup table and, in this version, so does the lm_head stay in the model's dtype (the
-reduced draft head reads rows of it; packing it is the next step).
+bytes. Every linear layer of every decoder layer (q, k, v, o, gate, up, down) and the lm_head is
+replaced by a `PackedLinear` holding the packed weight, its scales and the bias; the
+embedding stays a lookup table in the model's dtype (a step reads one row of it). The
+lm_head is 15-27% of a small model's bytes, so leaving it in bf16 would cost a low-bit
+step about a third of its time.
 
 The packed model is what the output is defined by: plain decoding and speculation both run
 it, and the exactness check (model/exactness.py) measures its kernels' row-invariance, so
@@ -42,6 +43,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+        # The float weight this was packed from, kept for the lm_head only: the reduced draft
+        # head gathers rows of it, and torch's CPU int4 layout interleaves rows in blocks, so
+        # rows of the packed weight cannot be gathered. Not a buffer: never saved.
+        self.row_source: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, activation: torch.dtype) -> "PackedLinear":
@@ -88,29 +93,34 @@ class PackedLinear(nn.Module):
         return f"{self.format}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-def decoder_linears(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent module, attribute, linear) for every nn.Linear inside the decoder layers."""
+def packable_linears(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent module, attribute, linear) for every nn.Linear inside the decoder layers, then
+    the lm_head (last)."""
     found = []
-    for layer in layers:
+    for layer in causal_lm.model.layers:
         for parent in layer.modules():
             for name, child in parent.named_children():
                 if isinstance(child, nn.Linear):
                     found.append((parent, name, child))
+    if isinstance(causal_lm.lm_head, nn.Linear):
+        found.append((causal_lm, "lm_head", causal_lm.lm_head))
     return found
 
 
 @torch.inference_mode()
-def pack_layers(layers: list[nn.Module], fmt: str, activation: torch.dtype = torch.bfloat16,
-                cache: Path | None = None) -> dict:
-    """Replace every linear layer of `layers` by its packed copy, in place; loaded from
-    `cache` when a packing of these layers is kept there (else built, and kept if slow).
-    Returns what was done: format per layer kind, bytes before and after, seconds."""
+def pack_model(causal_lm: nn.Module, fmt: str, activation: torch.dtype = torch.bfloat16,
+               cache: Path | None = None) -> dict:
+    """Replace every decoder linear layer and the lm_head of `causal_lm` by packed copies, in
+    place; loaded from `cache` when a packing of these layers is kept there (else built, and
+    kept if slow). Returns what was done: formats, bytes before and after, seconds."""
     started = time.perf_counter()
-    targets = decoder_linears(layers)
+    targets = packable_linears(causal_lm)
     before = sum(linear.weight.numel() * linear.weight.element_size() for _, _, linear in targets)
     kept = _load(cache, targets, activation) if cache is not None and cache.exists() else None
     packed = kept or [PackedLinear.from_linear(linear, fmt, activation) for _, _, linear in targets]
-    for (parent, name, _), module in zip(targets, packed):
+    for (parent, name, linear), module in zip(targets, packed):
+        if name == "lm_head":
+            module.row_source = linear.weight.detach()  # tied: the embedding's own table, no copy
         setattr(parent, name, module)
     seconds = time.perf_counter() - started
     if kept is None and cache is not None and seconds >= KEEP_AFTER_S:

@@ -22,6 +22,18 @@ _INT4_INNER_K_TILES = 1  # packing parameter of the CPU kernel (any valid value 
 _INT4_INNER_K_TILES_CUDA = 8  # tinygemm's tiling: in_features must be a multiple of 16 x this
 
 
+
+
+def bytes_per_weight(fmt: str) -> float:
+    """Bytes a kernel reads per weight of a packed format: int8 one byte (its per-row scale is
+    negligible); int4 half a byte plus a bf16 scale and zero per group of INT4_GROUP."""
+    if fmt == "int8":
+        return 1.0
+    if fmt == "int4":
+        return 0.5 + 4.0 / INT4_GROUP
+    raise ValueError(f"unknown packed format {fmt!r}")
+
+
 class UnsupportedKernelError(ValueError):
     """No low-bit kernel for this format on this device."""
 

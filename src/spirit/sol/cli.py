@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     m.add_argument("--context", type=int, default=512, help="cached positions before the step (default 512)")
     m.add_argument("--dtype", default="auto", help="auto (bf16 on GPUs; this CPU's default), bf16, fp16 or fp32")
     m.add_argument("--skip", default=None, help="draft skip set, e.g. 'attn:1,2;mlp:3'")
+    m.add_argument("--weights", default=None, choices=("bf16", "int8", "int4"),
+                   help="the linear layers' format (default: --dtype); int8/int4: the bound of a low-bit target's packed bytes")
     m.add_argument("--acceptance", type=float, default=None, help="per-token acceptance rate for the speedup bound")
     m.add_argument("--draft-len", type=int, default=4, help="drafted tokens per round for the speedup bound")
     m.add_argument("--trace", action="store_true", help="also trace one decode step (meta device) and cross-check")
@@ -100,18 +102,22 @@ def cmd_model(args: argparse.Namespace) -> int:
     if dtype is None:  # auto: bf16 on other hardware, this CPU's measured choice here
         dtype = torch.bfloat16 if args.hardware != "this-cpu" else choose_dtype(config)[0]
     skip = SkipSet.parse(args.skip) if args.skip else None
-    plain = decode_cost(config, dtype, args.context)
+    if args.weights == "bf16":
+        dtype = torch.bfloat16
+    weights = args.weights if args.weights in ("int8", "int4") else None
+    plain = decode_cost(config, dtype, args.context, weights=weights)
     rows = {"plain": plain}
     if skip is not None:
-        rows["draft"] = decode_cost(config, dtype, args.context, skip)
-    out: dict = {"model": args.name, "hardware": hw.name, "dtype": str(dtype).removeprefix("torch."), "context": args.context}
+        rows["draft"] = decode_cost(config, dtype, args.context, skip, weights=weights)
+    out: dict = {"model": args.name, "hardware": hw.name, "dtype": str(dtype).removeprefix("torch."),
+                 "weights": weights or str(dtype).removeprefix("torch."), "context": args.context}
     for label, cost in rows.items():
         sec = cost.seconds(hw)
         out[label] = {"sol_s": sec, "tokens_per_s": 1 / sec, "bytes": cost.bytes, "weight_bytes": cost.weight_bytes,
                       "kv_bytes": cost.kv_read_bytes + cost.kv_write_bytes, "matrix_flops": cost.matrix_flops,
                       "compute_s": cost.compute_seconds(hw), "memory_s": cost.bytes / hw.memory_bandwidth}
     if skip is not None and args.acceptance is not None:
-        spec = speculative_speedup(config, dtype, args.context, skip, args.acceptance, args.draft_len, hw)
+        spec = speculative_speedup(config, dtype, args.context, skip, args.acceptance, args.draft_len, hw, weights)
         out["speculation"] = {"acceptance": args.acceptance, "draft_len": args.draft_len, "verify_s": spec.verify_s,
                               "expected_tokens": spec.expected_tokens, "speedup_bound": spec.speedup}
     if args.trace:
@@ -124,7 +130,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{args.name} on {hw.name}, {out['dtype']}, context {args.context}")
+    print(f"{args.name} on {hw.name}, {out['weights']} weights, {out['dtype']} activations, context {args.context}")
     for label in rows:
         r = out[label]
         print(f"  {label:6s} SOL {_ms(r['sol_s'])}/token = {r['tokens_per_s']:.1f} tok/s  "

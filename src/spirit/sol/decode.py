@@ -8,6 +8,9 @@ Per token (memory side, the gpt-fast accounting: model bytes x tokens/s):
 Compute: 2 FLOPs per weight per token for every linear layer and the lm_head, plus
 attention 4 x heads x head_dim x visible positions per kept attention layer.
 SOL = max(compute / matmul peak, bytes / memory bandwidth).
+A low-bit target (`weights` "int8" / "int4") reads its packed linear weights instead: the
+bound is then the packed bytes per token (model/quantize.bytes_per_weight); compute is
+still counted at the activation dtype's matmul peak (the kernels multiply in it).
 A sliding-window layer reads only its window here (an ideal kernel); spirit's adapter reads the
 whole cached slice under a mask, so its traced step costs more on those layers.
 
@@ -115,19 +118,27 @@ def _count_params(config) -> SublayerParams:
     )
 
 
-def decode_cost(config, dtype: torch.dtype, context: int, skip: SkipSet | None = None, tokens: int = 1) -> DecodeCost:
+def decode_cost(config, dtype: torch.dtype, context: int, skip: SkipSet | None = None, tokens: int = 1,
+                weights: str | None = None) -> DecodeCost:
     """Cost of running `tokens` new tokens after `context` cached ones (1 = a decode step,
-    k+1 = verifying k drafted tokens), with the sublayers of `skip` left out."""
+    k+1 = verifying k drafted tokens), with the sublayers of `skip` left out. `weights`: a
+    packed format of the linear layers and lm_head ("int8", "int4"); None or a float dtype's
+    name: they are in `dtype`."""
+    from spirit.model.quantize import bytes_per_weight
+
     p = sublayer_params(config)
     skip = skip or SkipSet()
     skip.validate(len(p.attn_linear))
     b = torch.empty((), dtype=dtype).element_size()
+    packed = weights in ("int8", "int4")
+    linear_b = bytes_per_weight(weights) if packed else b
     kept_attn = [i for i in range(len(p.attn_linear)) if i not in skip.attn]
     kept_mlp = [i for i in range(len(p.mlp_linear)) if i not in skip.mlp]
     linear = sum(p.attn_linear[i] for i in kept_attn) + sum(p.mlp_linear[i] for i in kept_mlp) + p.lm_head
     other = sum(p.attn_other[i] for i in kept_attn) + sum(p.mlp_other[i] for i in kept_mlp) + p.final_norm
-    embed_read = 0 if p.tied else tokens * p.hidden
-    weight_bytes = (linear + other + embed_read) * b
+    # a packed head is a copy: the embedding's gathered rows are read apart from it even when tied
+    embed_read = 0 if p.tied and not packed else tokens * p.hidden
+    weight_bytes = linear * linear_b + (other + embed_read) * b
     kv_row = 2 * p.kv_heads * p.head_dim * b  # K and V of one position in one layer
     kv_read = kv_pairs = 0
     for i in kept_attn:
@@ -144,10 +155,10 @@ def decode_cost(config, dtype: torch.dtype, context: int, skip: SkipSet | None =
 
 
 def decode_step_seconds(config, dtype: torch.dtype, context: int, hardware: str | HardwareSpec = "this-cpu",
-                        skip: SkipSet | None = None) -> float:
+                        skip: SkipSet | None = None, weights: str | None = None) -> float:
     """Per-token SOL (seconds) of plain decoding, or of the draft pass when `skip` is given."""
     hw = load_hardware(hardware, calibrate_if_missing=True)
-    return decode_cost(config, dtype, context, skip).seconds(hw)
+    return decode_cost(config, dtype, context, skip, weights=weights).seconds(hw)
 
 
 @dataclass(frozen=True)
@@ -160,7 +171,8 @@ class Speculation:
 
 
 def speculative_speedup(config, dtype: torch.dtype, context: int, skip: SkipSet, acceptance: float,
-                        draft_len: int, hardware: str | HardwareSpec = "this-cpu") -> Speculation:
+                        draft_len: int, hardware: str | HardwareSpec = "this-cpu",
+                        weights: str | None = None) -> Speculation:
     """Upper bound on the speedup of self-speculative decoding at the speed of light.
 
     Tokens per round follow Leviathan et al. 2023 (eq. 1, i.i.d. per-token acceptance a,
@@ -170,9 +182,9 @@ def speculative_speedup(config, dtype: torch.dtype, context: int, skip: SkipSet,
     hw = load_hardware(hardware, calibrate_if_missing=True)
     if not 0.0 <= acceptance <= 1.0 or draft_len < 1:
         raise ValueError("acceptance must be in [0, 1] and draft length >= 1")
-    plain = decode_cost(config, dtype, context).seconds(hw)
-    draft = decode_cost(config, dtype, context, skip).seconds(hw)
-    verify = decode_cost(config, dtype, context, tokens=draft_len + 1).seconds(hw)
+    plain = decode_cost(config, dtype, context, weights=weights).seconds(hw)
+    draft = decode_cost(config, dtype, context, skip, weights=weights).seconds(hw)
+    verify = decode_cost(config, dtype, context, tokens=draft_len + 1, weights=weights).seconds(hw)
     k, a = draft_len, acceptance
     expected = k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
     return Speculation(plain, draft, verify, expected, expected * plain / (k * draft + verify))
