@@ -158,3 +158,43 @@ def test_draft_bits_run_lossless_and_are_kept_on_disk(model_dir, tmp_path, monke
     with pytest.raises(SystemExit) as exit_info:  # argparse: usage and one line, exit 2
         run(capsys, *base, "--draft-bits", "3")
     assert exit_info.value.code == 2 and "--draft-bits" in capsys.readouterr().err
+
+
+# -- subcommands whose packages come with an extra ------------------------------------------------
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make modules look uninstalled (an import fails, find_spec finds nothing), and forget
+    spirit.server so that it is imported afresh without them."""
+    import sys
+
+    import spirit
+
+    def hide(*modules: str) -> None:
+        for name in modules:
+            monkeypatch.setitem(sys.modules, name, None)
+        for name in [n for n in sys.modules if n == "spirit.server" or n.startswith("spirit.server.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(spirit, "server", raising=False)
+
+    return hide
+
+
+def test_serve_help_without_the_serve_extra(without, capsys):
+    without("fastapi", "uvicorn")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0 and "--allow-methods" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,hidden,extra", [
+    (["serve", "--model", "no-such-model"], ("fastapi", "uvicorn"), "serve"),
+    (["bench", "--quick"], ("matplotlib",), "bench"),
+])
+def test_missing_extra_names_it(without, capsys, argv, hidden, extra):
+    without(*hidden)
+    code, _, err = run(capsys, *argv)
+    # before any model loads (no-such-model would fail otherwise), one line, no traceback
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"pip install -e '.[{extra}]'" in err and hidden[0] in err, err

@@ -6,10 +6,13 @@ Every user error ends in one line on stderr and a non-zero exit, never a traceba
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from spirit.cli_args import add_decoding_args, add_model_args, generation_kwargs, load_for_cli
 from spirit.model.bundled import BUNDLED
@@ -55,21 +58,64 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
     mp.set_defaults(func=cmd_models_pull)
 
-    for name, register in _optional_commands():
-        register(sub)
+    for command in SUBSYSTEM_COMMANDS:
+        command.register(sub)
     return parser
 
 
-def _optional_commands() -> list[tuple[str, Callable]]:
-    """Subcommands that live with their subsystem (bench, sol, serve), registered if present."""
-    found = []
-    for name, module in (("bench", "spirit.bench.cli"), ("sol", "spirit.sol.cli"), ("serve", "spirit.server.cli")):
+@dataclass(frozen=True)
+class SubsystemCommand:
+    """A subcommand that lives with its subsystem. It is always registered, so `--help` works
+    on a plain `pip install -e .`: its module imports nothing optional until it runs. Running
+    it first checks that the packages of its extra are installed, and otherwise says which
+    extra to install, before any model loads."""
+
+    name: str
+    module: str  # defines register(subparsers), which sets the parser's `func`
+    extra: str | None = None  # the pyproject extra it needs
+    needs: tuple[str, ...] = ()  # modules that extra installs
+    purpose: str = ""  # what they are for, in the message
+
+    def register(self, subparsers) -> None:
         try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError:
-            continue
-        found.append((name, mod.register))
-    return found
+            module = importlib.import_module(self.module)
+        except ImportError as exc:  # a broken checkout or install: say so when used, keep the rest working
+            self._register_broken(subparsers, exc)
+            return
+        module.register(subparsers)
+        if self.needs:
+            parser = subparsers.choices[self.name]
+            parser.set_defaults(func=self._checked(parser.get_default("func")))
+
+    def _register_broken(self, subparsers, exc: ImportError) -> None:
+        parser = subparsers.add_parser(self.name, help=f"(cannot be loaded: {exc})", add_help=False)
+        parser.add_argument("ignored", nargs=argparse.REMAINDER)
+
+        def fail(args: argparse.Namespace) -> int:
+            raise CLIError(f"spirit {self.name} cannot be loaded ({self.module}: {exc}); reinstall spirit")
+
+        parser.set_defaults(func=fail)
+
+    def missing(self) -> list[str]:
+        return [m for m in self.needs if importlib.util.find_spec(m) is None]
+
+    def _checked(self, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        def run(args: argparse.Namespace) -> int:
+            missing = self.missing()
+            if missing:
+                raise CLIError(f"spirit {self.name} needs {' and '.join(missing)}{self.purpose}, which the "
+                               f"'{self.extra}' extra installs: pip install -e '.[{self.extra}]' "
+                               f"(or pip install 'spirit[{self.extra}]')")
+            return func(args)
+
+        return run
+
+
+SUBSYSTEM_COMMANDS = (
+    SubsystemCommand("bench", "spirit.bench.cli", "bench", ("matplotlib",), " for its plots"),
+    SubsystemCommand("sol", "spirit.sol.cli"),
+    SubsystemCommand("serve", "spirit.server.cli", "serve", ("fastapi", "uvicorn", "pydantic"), " for the HTTP server"),
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,6 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         payload["dtype"] = str(lm.dtype).removeprefix("torch.")
         payload["dtype_reason"] = lm.dtype_reason
         payload["weights"] = lm.weights
+        payload["weights_reason"] = lm.weights_reason
+        payload["packing"] = lm.packing
         payload["exactness"] = lm.exactness.to_dict()
         print(json.dumps(payload))
     elif args.stats:
@@ -110,7 +158,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         # the output is a function of the dtype and of whether verification is bit-exact here
         dtype = str(lm.dtype).removeprefix("torch.")
-        print(f"[{lm.name} {dtype}] dtype: {lm.dtype_reason}; linear layers: {lm.weights}", file=sys.stderr)
+        print(f"[{lm.name} {dtype}] dtype: {lm.dtype_reason}; linear layers: {lm.weights} ({lm.weights_reason})",
+              file=sys.stderr)
         print(f"[{lm.name} {dtype}] {lm.exactness.reason}", file=sys.stderr)
     return 0
 
@@ -123,7 +172,7 @@ def _sol_note(lm, stats) -> str:
 
         hardware = load_hardware("this-cpu")
         context = stats.prompt_tokens + stats.new_tokens // 2
-        bound = decode_cost(lm.hf_model.config, lm.dtype, context).seconds(hardware)
+        bound = decode_cost(lm.hf_model.config, lm.dtype, context, weights=lm.weights).seconds(hardware)
     except Exception:  # no calibration yet, or an unusual config: the figure is optional
         return ""
     if stats.decode_tokens_per_s <= 0:

@@ -3,23 +3,27 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
 `stream: true` as server-sent events), GET /health, GET /metrics (Prometheus text).
 
-Requests are checked on the event loop (schema, model name, method, sampling parameters,
-prompt length against the context) and answered with a 4xx and an OpenAI error body when
-wrong; accepted ones wait in the scheduler's bounded line (429 + Retry-After when it is
-full) and run one at a time on its worker thread. A request that times out (504) or whose
-client goes away is cancelled, which frees the engine after its current round.
+A request's body is read whole and bounded before anything parses it (413 past
+`max_body_bytes`, middleware.py). Its fields are checked on the event loop (schema, model
+name, allowed method, sampling parameters); the prompt is tokenized, chat template included,
+on a tokenizer thread, so a long prompt does not hold up other connections; then its length
+is checked against the context. A wrong request gets a 4xx and an OpenAI error body; a fault
+of the server's gets a 500 that names only a reference to the log (errors.py). Accepted
+requests wait in the scheduler's bounded line (429 + Retry-After when it is full) and run one
+at a time on its worker thread. A request that times out (504) or whose client goes away is
+cancelled, which frees the engine after its current round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,56 +32,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spirit.api import GenerationResult, Spirit
 from spirit.engine import ContextLengthError
-from spirit.policies import REGISTRY
+from spirit.request import Request as GenerationRequest
 from spirit.sampling import SamplingParams
+from spirit.server import methods
+from spirit.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from spirit.server.errors import APIError, error_response, internal_error
 from spirit.server.metrics import Metrics
+from spirit.server.middleware import Guard
 from spirit.server.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from spirit.server.schemas import ChatCompletionRequest, CompletionRequest
+from spirit.skipset import SkipSet
 
-
-@dataclass(frozen=True)
-class ServerConfig:
-    method: str = "spirit"  # decoding method when a request names none (the adaptive default)
-    max_queue: int = 16  # requests that may wait behind the running one; more get a 429
-    request_timeout_s: float | None = 300.0  # queue wait + generation; None = no limit
-    api_key: str | None = None  # Bearer token required on every route but /health
-    model_name: str | None = None  # the name clients use; default the model's own name
-    skip: str | None = None  # the skip set of --method static
-    chat_max_tokens: int = 512  # chat requests without max_tokens: this, or the context left
-    poll_s: float = 0.25  # how often a waiting request checks that its client is still there
-
-    def __post_init__(self) -> None:
-        # the server's own options, checked once here (a request's are checked by Request)
-        if self.method not in REGISTRY.names():
-            raise ValueError(f"unknown method {self.method!r} for the server; choose one of {', '.join(REGISTRY.names())}")
-        if self.method == "static" and not self.skip:
-            raise ValueError("--method static needs --skip, e.g. --skip 'attn:4,9;mlp:4,9,12'")
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
-
+__all__ = ["APIError", "DEFAULT_MAX_BODY_BYTES", "ServerConfig", "create_app", "error_response"]
 
 GREEDY_BELOW = 1e-5
-
-
-class APIError(Exception):
-    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _ClientGone(Exception):
@@ -121,14 +89,25 @@ class _Events:
             self._getter.cancel()
 
 
-def _job_error(exc: BaseException) -> APIError:
+def _job_error(exc: BaseException, ident: str) -> APIError:
+    """The answer to a job that failed on the engine thread. Every input was checked before the
+    job was queued (prepare), so a failure there is the server's, logged and answered 500; the
+    context is the one input that is still checked there, with a message of spirit's own."""
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded")
-    if isinstance(exc, (ValueError, KeyError)):
-        return APIError(400, str(exc))
     if isinstance(exc, SchedulerClosed):
-        return APIError(503, str(exc), "server_error", code="shutting_down")
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+        return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    return internal_error(exc, f"generation {ident}")
+
+
+def _chat_template_refusal(exc: Exception) -> bool:
+    """Whether `exc` is the chat template refusing the messages (its `raise_exception`, e.g.
+    "roles must alternate"): the client's to fix. A template that does not parse is not."""
+    try:
+        from jinja2 import TemplateError, TemplateSyntaxError
+    except ImportError:
+        return False
+    return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)
 
 
 class _Server:
@@ -139,8 +118,19 @@ class _Server:
         self.name = config.model_name or lm.name
         self.created = int(time.time())
         self.metrics = Metrics()
+        if config.skip:
+            SkipSet.parse(config.skip).validate(lm.num_layers)  # a layer the model lacks: fail at start
+        self.allowed = config.allowed_methods
+        methods.prepare(lm, self.allowed, config.skip)  # no request may start a build
         self.scheduler = Scheduler(lm, config.max_queue, on_finish=self._finished)
         self.vocab_size = int(getattr(lm.hf_model.config, "vocab_size", 0) or len(lm.tokenizer))
+        # one thread: requests tokenize one at a time, as they did on the event loop (a
+        # tokenizer is not safe to call from several threads at once), but off the loop
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spirit-tokenize")
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def _finished(self, job: Job, result: GenerationResult | None, error: BaseException | None) -> None:
         if result is not None:
@@ -154,20 +144,19 @@ class _Server:
                            param="model", code="model_not_found")
 
     def check_method(self, method: str | None) -> str:
+        """The request's method, or the server's; a 4xx naming the allowed ones otherwise."""
         method = method or self.config.method
-        names = [m for m in REGISTRY.names() if m != "hf"]
-        if method not in names:
-            raise APIError(400, f"unknown method {method!r}; choose one of {', '.join(names)}", param="method")
-        return method
+        allowed = ", ".join(self.allowed)
+        if method in self.allowed:
+            return method
+        if method in methods.servable_methods():
+            raise APIError(403, f"method {method!r} is not allowed on this server; allowed: {allowed} "
+                                "(the server's --allow-methods)", param="method", code="method_not_allowed")
+        raise APIError(400, f"unknown method {method!r}; this server allows {allowed}", param="method")
 
-    def prepare(self, body, prompt_ids: list[int], max_tokens: int | None, param: str) -> dict:
-        """The keyword arguments of Spirit.stream, or an APIError for a bad request."""
-        method = self.check_method(body.method)
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
-        if not prompt_ids:
-            raise APIError(400, "the prompt encodes to no tokens", param=param)
+    def prepare(self, body, method: str, prompt_ids: list[int], max_tokens: int | None, param: str) -> dict:
+        """The keyword arguments of Spirit.stream, or an APIError for a bad request: every
+        input is checked here, so whatever fails later on the engine thread is a fault."""
         context = self.lm.engine.max_context
         if max_tokens is None:  # chat without a limit: what the context leaves, within a bound
             max_tokens = max(1, min(self.config.chat_max_tokens, context - len(prompt_ids)))
@@ -176,29 +165,48 @@ class _Server:
         temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
         # a top_p that rounds to 0 in float32 would keep no token; any top_p this small keeps one
         top_p = max(body.top_p, GREEDY_BELOW)
-        try:
-            SamplingParams(temperature, top_p, body.top_k, body.seed, body.sampling_mode)
-            self.lm.engine.check_fits(len(prompt_ids), max_tokens)
-        except ContextLengthError as exc:
-            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
         kwargs = dict(max_new_tokens=max_tokens, method=method, temperature=temperature, top_p=top_p,
                       top_k=body.top_k, seed=body.seed, sampling_mode=body.sampling_mode, stop=body.stop_list)
         if method == "static" and self.config.skip:
             kwargs["skip"] = self.config.skip
+        try:
+            SamplingParams(temperature, top_p, body.top_k, body.seed, body.sampling_mode)
+            self.lm.engine.check_fits(len(prompt_ids), max_tokens)
+            GenerationRequest.build(prompt_ids, **kwargs)  # the check Spirit.stream will make
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError as exc:  # messages of spirit's own, about the request's values
+            raise APIError(400, str(exc)) from None
         return kwargs
 
-    def encode(self, prompt, chat: bool, param: str) -> list[int]:
+    async def prompt_ids(self, prompt, chat: bool, param: str) -> list[int]:
+        """The prompt's token ids, worked out on the tokenizer thread: templating and
+        tokenizing a long prompt takes long enough to stall every other connection if done
+        on the event loop (the body limit bounds how long)."""
+        work = functools.partial(self._prompt_ids, prompt, chat, param)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, work)
+
+    def _prompt_ids(self, prompt, chat: bool, param: str) -> list[int]:
         try:
-            return self.lm.encode(prompt, chat)
+            ids = self.lm.encode(prompt, chat)
         except ValueError as exc:  # no chat template, text the tokenizer cannot encode
             raise APIError(400, str(exc), param=param) from None
+        except Exception as exc:
+            if not _chat_template_refusal(exc):
+                raise
+            raise APIError(400, f"the model's chat template refuses these messages: {exc}", param=param) from None
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        if not ids:
+            raise APIError(400, "the prompt encodes to no tokens", param=param)
+        return ids
 
     # -- running ---------------------------------------------------------------------------
 
     async def run(self, request: Request, prompt_ids: list[int], kwargs: dict, chat: bool, stream: bool,
                   include_usage: bool) -> Response:
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             job = self.scheduler.submit(prompt_ids, kwargs)
         except QueueFull as exc:
@@ -219,8 +227,7 @@ class _Server:
                            "timeout_error", code="timeout") from None
         if kind == "error":
             events.close()
-            raise _job_error(value)
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            raise _job_error(value, ident)
         if stream:
             return StreamingResponse(self._sse(events, ident, len(prompt_ids), chat, include_usage),
                                      media_type="text/event-stream",
@@ -231,7 +238,7 @@ class _Server:
                 if kind == "done":
                     break
                 if kind == "error":
-                    raise _job_error(value)
+                    raise _job_error(value, ident)
         except (_TimedOut, _ClientGone) as exc:
             self.scheduler.withdraw(job)
             if isinstance(exc, _ClientGone):
@@ -246,11 +253,14 @@ class _Server:
         n_new = len(result.token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
 
-    def _spirit(self, result: GenerationResult) -> dict:
+    @staticmethod
+    def _spirit(result: GenerationResult) -> dict:
+        """The request's own figures: its method and its timing. Nothing about its drafts
+        (acceptance, skip ratio, draft vocabulary, the policy's state): those depend on what
+        earlier requests, other users' included, taught the shared policy and draft heads,
+        and would show a client something of other users' text (docs/server.md)."""
         s = result.stats
-        return {"method": result.method, "wall_time_s": round(s.wall_time_s, 6), "tokens_per_s": round(s.tokens_per_s, 3),
-                "acceptance_rate": round(s.counters.acceptance_rate, 4),
-                "skip_ratio": s.windows[-1].get("skip_ratio", 0.0) if s.windows else 0.0}
+        return {"method": result.method, "wall_time_s": round(s.wall_time_s, 6), "tokens_per_s": round(s.tokens_per_s, 3)}
 
     @staticmethod
     def _finish(result: GenerationResult) -> str:
@@ -258,7 +268,7 @@ class _Server:
 
     def _full_body(self, ident: str, result: GenerationResult | None, n_prompt: int, chat: bool) -> dict:
         if result is None:
-            raise APIError(500, "generation ended without a result", "server_error")
+            raise RuntimeError("generation ended without a result")  # a bug: logged, answered 500
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": self._finish(result)}
@@ -299,10 +309,8 @@ class _Server:
                 if kind == "piece":
                     yield chunk(value)
                 elif kind == "error":
-                    e = _job_error(value)
-                    err = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
                     finished = True
-                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    yield f"data: {json.dumps({'error': _job_error(value, ident).body()})}\n\n"
                     break
                 elif kind == "done":
                     finished = True
@@ -320,50 +328,6 @@ class _Server:
             events.close()
             if not finished:
                 self.scheduler.withdraw(events.job)
-
-
-_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-
-
-def _route_label(path: str) -> str:
-    if path in _ROUTES:
-        return path
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{model}"
-    return "other"
-
-
-class _Guard:
-    """ASGI middleware: the API key check (every route but /health) and the request metrics."""
-
-    def __init__(self, app, server: _Server) -> None:
-        self.app, self.server = app, server
-        key = server.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
-        status = 500
-        label = _route_label(scope["path"])
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if self.expected is not None and scope["path"] != "/health":
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
-                    response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                    return await response(scope, receive, send_and_note)
-            await self.app(scope, receive, send_and_note)
-        finally:
-            self.server.metrics.observe_request(label, status, time.perf_counter() - t0)
 
 
 # pydantic's name for a branch of a union in an error location: `str`, `list[int]`, `TextPart`
@@ -389,7 +353,7 @@ def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         yield
-        server.scheduler.close()
+        server.close()
 
     app = FastAPI(title="spirit", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions over spirit's self-speculative decoding.")
@@ -417,9 +381,7 @@ def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+    # no handler for other exceptions: Guard logs them and answers a 500 without internals
 
     @app.get("/health")
     async def health():
@@ -447,17 +409,18 @@ def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
-        prompt = body.prompt
-        ids = list(prompt) if isinstance(prompt, list) else server.encode(prompt, False, "prompt")
-        kwargs = server.prepare(body, ids, body.max_tokens, "prompt")
+        method = server.check_method(body.method)  # refusals that cost nothing come first
+        ids = await server.prompt_ids(body.prompt, False, "prompt")
+        kwargs = server.prepare(body, method, ids, body.max_tokens, "prompt")
         return await server.run(request, ids, kwargs, False, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        ids = server.encode(body.chat_messages(), True, "messages")
-        kwargs = server.prepare(body, ids, body.token_limit, "messages")
+        method = server.check_method(body.method)
+        ids = await server.prompt_ids(body.chat_messages(), True, "messages")
+        kwargs = server.prepare(body, method, ids, body.token_limit, "messages")
         return await server.run(request, ids, kwargs, True, body.stream, body.include_usage)
 
-    app.add_middleware(_Guard, server=server)
+    app.add_middleware(Guard, metrics=server.metrics, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     return app

@@ -1,9 +1,16 @@
-"""`spirit serve`: the OpenAI-compatible server, registered by spirit.cli if fastapi is installed."""
+"""`spirit serve`: the OpenAI-compatible server.
+
+Registered by spirit.cli whatever is installed: this module imports nothing from the serve
+extra at import time, and spirit.cli checks that fastapi and uvicorn are there before
+`cmd_serve` runs (naming the extra to install when they are not).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+
+from spirit.server.config import DEFAULT_MAX_BODY_BYTES
 
 
 def register(subparsers) -> None:
@@ -20,18 +27,19 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: env SPIRIT_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default the model's name)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default the model's)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed or tokenized (default 1 MiB)")
+    p.add_argument("--allow-methods", default=None, metavar="M1,M2",
+                   help="comma-separated methods a request may name (default: --method and every method that needs "
+                        "no offline calibration and no quantized draft beyond --method's; see docs/server.md). "
+                        "What the allowed methods need is built before the server answers any request")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise ValueError("spirit serve needs fastapi and uvicorn: pip install 'spirit[serve]'") from None
-    from spirit.server.app import ServerConfig
-    from spirit.server.launcher import serve
+    from spirit.server.config import ServerConfig
+    from spirit.server.launcher import serve  # spirit.cli has checked that the serve extra is installed
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
@@ -40,17 +48,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         method=args.method, max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
         api_key=args.api_key or os.environ.get("SPIRIT_API_KEY") or None, model_name=args.served_model_name,
-        skip=args.skip,
+        skip=args.skip, max_body_bytes=args.max_body_bytes, allow_methods=args.allow_methods,
     )
     lm = _load(args)
-    from spirit.request import default_draft
-
-    # quantized draft MLPs are built (or loaded from disk) now, not in the first request
-    lm.engine.quantized_mlps(default_draft(config.method).draft_bits)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"spirit: warning: listening on {args.host} without an API key", flush=True)
-    print(f"spirit: serving {config.model_name or lm.name} ({config.method}) on http://{args.host}:{args.port}/v1",
-          flush=True)
+    # the app builds what the allowed methods need (quantized draft MLPs, calibrations) when
+    # it is made, before it answers anything: no request starts a build
+    print(f"spirit: serving {config.model_name or lm.name} ({config.method}; requests may name "
+          f"{', '.join(config.allowed_methods)}) on http://{args.host}:{args.port}/v1", flush=True)
     serve(lm, config, args.host, args.port, args.log_level)
     return 0
 

@@ -3,11 +3,13 @@ tests, benchmarks and notebooks), always on a socket this process opened itself.
 
 from __future__ import annotations
 
+import copy
 import socket
 import threading
 import time
 
 import uvicorn
+import uvicorn.config
 
 from spirit.api import Spirit
 from spirit.server.app import ServerConfig, create_app
@@ -26,9 +28,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_config(log_level: str) -> dict:
+    """uvicorn's own logging setup, with spirit's loggers on its console handler: the server's
+    internal errors are logged there with their tracebacks (clients get only a reference)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["spirit"] = {"handlers": ["default"], "level": log_level.upper()}
+    return config
+
+
 def _uvicorn(app, log_level: str) -> uvicorn.Server:
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, log_config=_log_config(log_level))
     return uvicorn.Server(config)
 
 

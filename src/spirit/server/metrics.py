@@ -2,7 +2,12 @@
 
 Kept by hand rather than with prometheus_client: a handful of series, one lock. The
 generation figures reuse the definitions of `spirit.stats` (tokens/s includes the prefill;
-acceptance rate = accepted / drafted tokens).
+acceptance rate = accepted / drafted tokens, from the two counters).
+
+Every series is a total over all requests, for the operator. None is the figure of one
+request (no "last request's acceptance") or of the shared draft state (no current skip
+ratio): any API client can read this route, and such a figure would show it something of
+what other users' requests did and taught the shared policy (docs/server.md).
 
     spirit_http_requests_total{route,status}        requests answered, by HTTP status
     spirit_http_request_duration_seconds{route}     histogram, until the last byte (streams too)
@@ -12,8 +17,6 @@ acceptance rate = accepted / drafted tokens).
     spirit_drafted_tokens_total, spirit_accepted_tokens_total
     spirit_generations_total{method,finish_reason}
     spirit_tokens_per_second                        generated tokens / generation seconds, overall
-    spirit_last_tokens_per_second, spirit_last_acceptance_rate, spirit_skip_ratio
-                                                    of the latest finished generation
 """
 
 from __future__ import annotations
@@ -40,9 +43,6 @@ class Metrics:
         self.generation_seconds = 0.0
         self.drafted = 0
         self.accepted = 0
-        self.last_tokens_per_s = 0.0
-        self.last_acceptance_rate = 0.0
-        self.skip_ratio = 0.0
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -60,9 +60,6 @@ class Metrics:
             self.generation_seconds += s.wall_time_s
             self.drafted += s.counters.drafted
             self.accepted += s.counters.accepted
-            self.last_tokens_per_s = s.tokens_per_s
-            self.last_acceptance_rate = s.counters.acceptance_rate
-            self.skip_ratio = float(s.windows[-1].get("skip_ratio", 0.0)) if s.windows else 0.0
 
     def render(self, queue_depth: int, queue_capacity: int, running: bool) -> str:
         out: list[str] = []
@@ -99,12 +96,6 @@ class Metrics:
                 ("spirit_accepted_tokens_total", "counter", "Draft tokens accepted.", self.accepted),
                 ("spirit_tokens_per_second", "gauge", "New tokens / engine wall time, over all generations.",
                  round(self.generated_tokens / self.generation_seconds, 3) if self.generation_seconds else 0.0),
-                ("spirit_last_tokens_per_second", "gauge", "New tokens / wall time of the latest generation.",
-                 round(self.last_tokens_per_s, 3)),
-                ("spirit_last_acceptance_rate", "gauge", "Accepted / drafted tokens of the latest generation.",
-                 round(self.last_acceptance_rate, 4)),
-                ("spirit_skip_ratio", "gauge", "Share of layers skipped by the current draft configuration.",
-                 round(self.skip_ratio, 4)),
             ):
                 family(name, kind, help_)
                 out.append(f"{name} {value}")

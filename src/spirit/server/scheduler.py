@@ -10,6 +10,7 @@ round (`TextStream.cancel`), which frees the engine for the next job.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spirit.api import GenerationResult, Spirit, TextStream
+
+log = logging.getLogger("spirit.server")
 
 
 class QueueFull(Exception):
@@ -163,7 +166,7 @@ class Scheduler:
                     job.post("piece", piece)
             result = stream.result
             job.post("done", result)
-        except Exception as exc:  # reported to the client; the worker keeps serving
+        except Exception as exc:  # answered (and logged when a fault) by the app; the worker keeps serving
             error = exc
             job.post("error", exc)
         finally:
@@ -171,5 +174,5 @@ class Scheduler:
             if self._on_finish is not None:
                 try:
                     self._on_finish(job, result, error)
-                except Exception:
-                    pass
+                except Exception:  # a bookkeeping fault must not stop the worker, nor go unseen
+                    log.exception("the scheduler's on_finish callback failed")
