@@ -145,6 +145,7 @@ class Spirit:
         self.dtype_reason = loaded.dtype_reason
         self.weights = loaded.weights  # the linear layers' precision: the model that defines the output
         self.packing = loaded.packing
+        self.weights_reason = loaded.weights_reason
         self.model = SkippableModel(loaded.hf_model)
         self.costs = _machine_costs(self.model, loaded.weights)
         self.engine = Engine(self.model, max_context, quantized_cache=_quantized_cache(loaded), costs=self.costs)

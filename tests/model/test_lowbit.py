@@ -3,6 +3,8 @@ to the low-bit model itself."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,8 @@ from torch import nn
 from spirit.engine import Engine
 from spirit.model import lowbit
 from spirit.model.adapter import SkippableModel
+from spirit.model.gguf_blocks import Int4Groups
+from spirit.model.loader import file_precision_format
 from spirit.model.lowbit import PackedLinear, pack_model, packable_linears
 from spirit.policies.base import LookupPolicy, ModelInfo, StaticPolicy
 from spirit.skipset import DraftConfig, SkipSet
@@ -116,3 +120,76 @@ def test_the_exactness_check_measures_the_packed_kernels():
     from spirit.model.exactness import _distinct_linears
 
     assert any(isinstance(m, PackedLinear) for m in _distinct_linears(engine.model))
+
+
+# -- a GGUF file's own blocks (model/gguf_blocks.py) ------------------------------------------
+
+@dataclass
+class FakeBlock:
+    """Stands in for a GGUFLinear: a block type and the int4 groups its 4-bit blocks hold."""
+
+    block_type: str
+    groups: Int4Groups | None = None
+
+    def int4(self) -> Int4Groups:
+        assert self.groups is not None, "int4() asked of a block that has no 4-bit codes"
+        return self.groups
+
+
+def file_groups(out_features: int, in_features: int, seed: int = 0) -> Int4Groups:
+    """Random 4-bit codes with scales and zeros that are exact in bf16, as a Q4_1 file's."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    groups = in_features // 32
+    scale = (torch.rand(out_features, groups, generator=g) * 0.01 + 0.001).to(torch.bfloat16).float()
+    zero = (torch.randn(out_features, groups, generator=g) * 0.01).to(torch.bfloat16).float()
+    return Int4Groups(codes, scale, zero)
+
+
+def test_4_bit_blocks_are_packed_with_the_files_own_codes():
+    linear = nn.Linear(128, 48, bias=False).to(torch.bfloat16)
+    groups = file_groups(48, 128)
+    linear.weight.data = groups.dequantized().to(torch.bfloat16)  # what transformers dequantized
+    packed = lowbit._packed("m.q_proj", linear, "int4", torch.bfloat16, {"m.q_proj": FakeBlock("Q4_1", groups)})
+    assert packed.format == "int4" and packed.file_codes
+    # the packed weight is the file's: no second rounding onto a new grid (the kernel's bf16
+    # output, which `dequantized` reads, rounds each value once)
+    assert torch.allclose(packed.dequantized(), groups.dequantized(), rtol=2**-8, atol=0)
+    requantized = PackedLinear.from_linear(linear, "int4", torch.bfloat16)
+    assert not requantized.file_codes
+    assert relative_error(packed.dequantized(), linear.weight) < relative_error(requantized.dequantized(), linear.weight)
+
+
+def test_blocks_that_do_not_match_the_loaded_weight_are_refused():
+    linear = nn.Linear(128, 48, bias=False).to(torch.bfloat16)
+    linear.weight.data = file_groups(48, 128, seed=1).dequantized().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="do not match the weights loaded"):
+        lowbit._packed("m.q_proj", linear, "int4", torch.bfloat16, {"m.q_proj": FakeBlock("Q4_K", file_groups(48, 128))})
+
+
+@pytest.mark.parametrize("fmt, expected", [("int4", "int4"), (lowbit.FILE_PRECISION, "int8"), ("int8", "int8")])
+def test_other_blocks_are_requantized_to_the_asked_format(fmt, expected):
+    """A Q6_K block: int4 asked is int4 re-quantized; the file's precision is int8."""
+    linear = nn.Linear(128, 48).to(torch.bfloat16)
+    packed = lowbit._packed("m.down_proj", linear, fmt, torch.bfloat16, {"m.down_proj": FakeBlock("Q6_K")})
+    assert packed.format == expected and not packed.file_codes
+
+
+def test_blocks_are_read_only_when_a_packing_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(lowbit, "KEEP_AFTER_S", 0.0)
+    reads = []
+
+    def blocks():
+        reads.append(1)
+        return {}
+
+    path = tmp_path / "tiny.pt"
+    first = pack_model(tiny_model("qwen2", num_layers=2, dtype=torch.bfloat16), "int4", torch.bfloat16, path, blocks)
+    second = pack_model(tiny_model("qwen2", num_layers=2, dtype=torch.bfloat16), "int4", torch.bfloat16, path, blocks)
+    assert not first["from_cache"] and second["from_cache"] and len(reads) == 1
+
+
+def test_the_file_precision_is_the_format_holding_most_weights():
+    assert file_precision_format({"a": ("Q4_K", 100), "b": ("Q6_K", 40)}) == "int4"
+    assert file_precision_format({"a": ("Q4_K", 10), "b": ("Q5_0", 40), "c": ("F32", 500)}) == "int8"
+    assert file_precision_format({"a": ("F16", 10), "b": ("BF16", 40)}) is None

@@ -56,28 +56,14 @@ def missing_message(methods: Sequence[str]) -> str:
 
 
 def gguf_file(lm) -> Path:
-    """The GGUF file the loaded model was converted from: llama.cpp must run that same file.
+    """The GGUF file the loaded model was converted from: llama.cpp must run that same file."""
+    from spirit.model.loader import gguf_source
 
-    A bundled model's file is in spirit's cache (fetched and checked again if it was removed);
-    a converted .gguf records its source in the folder's spirit-source.json (model/loader.py)."""
-    import json
-
-    from spirit.model.bundled import BUNDLED, fetch
-    from spirit.model.loader import converted_dir
-
-    folder = Path(lm.folder)
-    spec = BUNDLED.get(lm.name)
-    if spec is not None and folder.resolve() == converted_dir(spec.name).resolve():
-        return fetch(spec)
-    marker = folder / "spirit-source.json"
-    if marker.is_file():
-        source = Path(json.loads(marker.read_text())["gguf"])
-        if not source.is_file():
-            raise ValueError(f"llamacpp needs the GGUF file model {lm.name} was converted from, {source}, "
-                             "and it is no longer there; load the model from a .gguf file that exists")
-        return source
-    raise ValueError(f"llamacpp needs a GGUF model (a bundled model name or a .gguf file): model {lm.name} "
-                     f"was loaded from {folder}, which was not converted from a GGUF file")
+    source = gguf_source(lm.name, Path(lm.folder))
+    if source is None:
+        raise ValueError(f"llamacpp needs a GGUF model (a bundled model name or a .gguf file that still exists): "
+                         f"model {lm.name} was loaded from {lm.folder}, which was not converted from one")
+    return source
 
 
 def context_size(needed: int, limit: int) -> int:

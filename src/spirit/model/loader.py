@@ -39,6 +39,7 @@ class LoadedModel:
     device: torch.device = torch.device("cpu")
     weights: str = "bf16"  # the precision of the linear layers that decode: the model's dtype, int8 or int4
     packing: dict | None = None  # what packing the linear layers did (model/lowbit.py), if any
+    weights_reason: str = "given by the caller"  # why that precision (auto's choice is measured)
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -177,33 +178,110 @@ def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch
     return None if digest is None else cache_root() / "lowbit" / f"{folder.name}-{fmt}-{digest}.pt"
 
 
+def gguf_source(name: str, folder: Path) -> Path | None:
+    """The GGUF file a loaded model was converted from (None for a Hugging Face folder): a
+    bundled model's file in spirit's cache (fetched and checked again if removed), else the
+    file a converted folder's marker names, if it still exists."""
+    spec = BUNDLED.get(name)
+    if spec is not None and folder.resolve() == converted_dir(spec.name).resolve():
+        return bundled.fetch(spec)
+    marker = folder / "spirit-source.json"
+    if marker.is_file():
+        source = Path(json.loads(marker.read_text())["gguf"])
+        return source if source.is_file() else None
+    return None
+
+
+def gguf_block_types(folder: Path, source: Path) -> dict[str, tuple[str, int]]:
+    """Module name -> (block type, weights) of the GGUF file's linear layers, kept beside the
+    converted weights (reading a file's metadata takes seconds: its vocabulary is parsed)."""
+    from spirit.model.gguf_blocks import read_linears
+
+    kept = folder / "spirit-gguf-blocks.json"
+    if kept.is_file():
+        try:
+            return {k: (v[0], int(v[1])) for k, v in json.loads(kept.read_text()).items()}
+        except (ValueError, KeyError, IndexError, TypeError):
+            pass  # damaged: read the file again
+    types = {name: (w.block_type, w.shape[0] * w.shape[1]) for name, w in read_linears(source).items()}
+    try:
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(types))
+        os.replace(tmp, kept)
+    except OSError:
+        pass  # a read-only folder only costs reading the file again
+    return types
+
+
+def file_precision_format(block_types: dict[str, tuple[str, int]]) -> str | None:
+    """The packed format that holds most of a GGUF file's linear weights at its own precision
+    (its 4-bit blocks as int4, other quantized blocks as int8); None for a float file."""
+    from spirit.model.gguf_blocks import INT4_DIRECT
+
+    float_types = ("F32", "F16", "BF16")
+    int4 = sum(n for t, n in block_types.values() if t in INT4_DIRECT)
+    int8 = sum(n for t, n in block_types.values() if t not in INT4_DIRECT and t not in float_types)
+    if int4 == int8 == 0:
+        return None
+    return "int4" if int4 >= int8 else "int8"
+
+
+def _auto_packing(config, block_types: dict[str, tuple[str, int]], device: torch.device) -> tuple[str | None, str]:
+    """For `--weights auto` on a GGUF file: the file's own precision (returns its main packed
+    format) when this machine's probe finds that format's plain step faster than the best
+    float one, else None (the float model) and why."""
+    fmt = file_precision_format(block_types)
+    if fmt is None:
+        return None, "the GGUF file holds float weights"
+    if device.type != "cpu":
+        return None, f"packed file precision runs on the CPU only here ({device.type}: the float model)"
+    from spirit.model.probe import LayerShapes, probe
+
+    costs = probe(LayerShapes.from_config(config))
+    best_float, _ = costs.plain_dtype()
+    packed_ms, float_ms = costs.pass_ms(fmt, 1), costs.pass_ms(best_float, 1)
+    measured = f"{fmt} {packed_ms:.1f} ms vs {best_float} {float_ms:.1f} ms per token of linear layers, probed here"
+    if packed_ms < float_ms:
+        return fmt, f"the GGUF file's own precision (4-bit blocks as int4 with the file's codes, others int8): {measured}"
+    return None, f"the float model: its plain step is faster than the file's precision ({measured})"
+
+
 def load(name_or_path: str, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, weights: str = "auto") -> LoadedModel:
-    """`weights`: the precision of the linear layers that decode and verify: "auto" follows
-    the dtype, "bf16" is the bf16 model; "int8" / "int4" pack every linear layer (lm_head included) to
-    that format (model/lowbit.py), the model's dtype (bf16 by default then) running the rest."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`weights`: the precision of the linear layers that decode and verify: "bf16" is the
+    bf16 model; "int8" / "int4" pack every linear layer (lm_head included) to that format
+    (model/lowbit.py), the model's dtype (bf16 by default then) running the rest; a GGUF
+    file's 4-bit blocks become int4 with the file's own codes. "auto": for a GGUF file with
+    no dtype given, its own precision (lowbit.FILE_PRECISION) where the probe finds it faster
+    than the float model, else the dtype's float model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from spirit.model.lowbit import PACKED_FORMATS, WEIGHTS, pack_model
+    from spirit.model.lowbit import FILE_PRECISION, PACKED_FORMATS, WEIGHTS, pack_model
 
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
     target = resolve_device(device)
-    reason = "asked for"
+    reason = weights_reason = "asked for"
     if weights == "bf16":
         if torch_dtype not in (None, torch.bfloat16):
             raise ValueError(f"--weights bf16 and --dtype {str(torch_dtype).removeprefix('torch.')} disagree; give one")
         torch_dtype = torch.bfloat16
-    if torch_dtype is None and weights in PACKED_FORMATS:
-        # the packed kernels take bf16 activations (model/quantize.py); the rest follows them
-        torch_dtype, reason = torch.bfloat16, f"the activation dtype of the {weights} kernels"
     name, folder = resolve(name_or_path)
+    source = gguf_source(name, folder) if weights in ("auto", "int4") else None
+    block_types = gguf_block_types(folder, source) if source is not None else {}
+    packing_format = weights if weights in PACKED_FORMATS else None
     try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        if weights == "auto" and torch_dtype is None and block_types:
+            main_format, weights_reason = _auto_packing(config, block_types, target)
+            if main_format is not None:
+                weights, packing_format = main_format, FILE_PRECISION
+        if torch_dtype is None and packing_format is not None:
+            # the packed kernels take bf16 activations (model/quantize.py); the rest follows them
+            torch_dtype, reason = torch.bfloat16, f"the activation dtype of the {weights} kernels"
         if torch_dtype is None:
-            from transformers import AutoConfig
-
-            torch_dtype, reason = choose_dtype(AutoConfig.from_pretrained(str(folder), local_files_only=True), target)
+            torch_dtype, reason = choose_dtype(config, target)
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
         )
@@ -212,11 +290,24 @@ def load(name_or_path: str, dtype: torch.dtype | str | None = None,
         raise ModelNotFoundError(f"could not load a causal LM from {folder}: {exc}") from exc
     model.to(target).eval()
     packing = None
-    if weights in PACKED_FORMATS:
-        packing = pack_model(model, weights, torch.bfloat16, _packed_cache(folder, weights, torch.bfloat16, target))
-    return LoadedModel(name, folder, model, tokenizer, torch_dtype, reason, target,
-                       weights if weights in PACKED_FORMATS else str(torch_dtype).removeprefix("torch."), packing)
+    if packing_format is not None:
+        cache_format = packing_format + ("-gguf" if block_types else "")
+        cache = _packed_cache(folder, cache_format, torch.bfloat16, target)
+        packing = pack_model(model, packing_format, torch.bfloat16, cache,
+                             blocks=_lazy_blocks(source) if block_types else None)
+    else:
+        weights = str(torch_dtype).removeprefix("torch.")
+        if weights_reason == "asked for" and packing_format is None and block_types:
+            weights_reason = "the float model"
+    return LoadedModel(name, folder, model, tokenizer, torch_dtype, reason, target, weights, packing, weights_reason)
 
 
-__all__ = ["load", "resolve", "resolve_device", "ModelNotFoundError", "ModelFetchError", "LoadedModel", "choose_dtype",
+def _lazy_blocks(source: Path):
+    """The GGUF file's linear weights, read only if a packing is built (not loaded from disk)."""
+    from spirit.model.gguf_blocks import read_linears
+
+    return lambda: read_linears(source)
+
+
+__all__ = ["load", "resolve", "gguf_source", "resolve_device", "ModelNotFoundError", "ModelFetchError", "LoadedModel", "choose_dtype",
            "parse_dtype"]

@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from spirit.model.quantize import INT4_GROUP, int4_fits, int4_matmul, int8_matmul, quantize_int4, quantize_int8
+from spirit.model.quantize import (INT4_GROUP, int4_fits, int4_matmul, int8_matmul, pack_int4, quantize_int4,
+                                   quantize_int8)
+
+if TYPE_CHECKING:
+    from spirit.model.gguf_blocks import GGUFLinear, Int4Groups
 
 WEIGHTS = ("auto", "bf16", "int8", "int4")
 PACKED_FORMATS = ("int8", "int4")
+# A GGUF file's own precision, as closely as the kernels allow: its 4-bit blocks become int4
+# groups with the file's exact codes; 5-, 6- and 8-bit blocks become int8 (per output channel:
+# re-quantizing them to int4 costs 6.6x the error of int8 on qwen2.5-coder-1.5b's Q6_K layers)
+FILE_PRECISION = "file"
 KEEP_AFTER_S = 1.0  # packings that took longer than this are kept on disk
 
 
@@ -47,6 +57,7 @@ class PackedLinear(nn.Module):
         # head gathers rows of it, and torch's CPU int4 layout interleaves rows in blocks, so
         # rows of the packed weight cannot be gathered. Not a buffer: never saved.
         self.row_source: torch.Tensor | None = None
+        self.file_codes = False  # packed from a GGUF file's own 4-bit codes (not re-quantized)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, activation: torch.dtype) -> "PackedLinear":
@@ -64,6 +75,16 @@ class PackedLinear(nn.Module):
             raise ValueError(f"unknown packed format {fmt!r}; choose one of {', '.join(PACKED_FORMATS)}")
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(fmt, packed, scales.to(activation), bias, in_features, out_features)
+
+    @classmethod
+    def from_groups(cls, groups: "Int4Groups", bias: torch.Tensor | None, activation: torch.dtype) -> "PackedLinear":
+        """The exact int4 groups read from a GGUF file's 4-bit blocks (model/gguf_blocks.py)."""
+        out_features, in_features = groups.codes.shape
+        packed, scales = pack_int4(groups.codes, groups.scale, groups.zero)
+        bias = None if bias is None else bias.detach().clone()
+        module = cls("int4", packed, scales.to(activation), bias, in_features, out_features)
+        module.file_codes = True
+        return module
 
     @property
     def activation(self) -> torch.dtype:
@@ -107,17 +128,54 @@ def packable_linears(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Line
     return found
 
 
+def _packed(name: str, linear: nn.Linear, fmt: str, activation: torch.dtype,
+            blocks: Mapping[str, "GGUFLinear"]) -> PackedLinear:
+    """`linear` packed to `fmt`; from the GGUF file's exact 4-bit codes where its block is
+    one (`fmt` "int4" or FILE_PRECISION), else re-quantized from the loaded weight."""
+    from spirit.model.gguf_blocks import INT4_DIRECT
+
+    block = blocks.get(name)
+    out_features, in_features = linear.weight.shape
+    exact = (fmt in ("int4", FILE_PRECISION) and block is not None and block.block_type in INT4_DIRECT
+             and int4_fits(out_features, in_features, device=linear.weight.device.type))
+    if not exact:
+        return PackedLinear.from_linear(linear, "int8" if fmt == FILE_PRECISION else fmt, activation)
+    groups = block.int4()
+    _check_same_weight(name, groups, linear.weight)
+    return PackedLinear.from_groups(groups, linear.bias, activation)
+
+
+def _check_same_weight(name: str, groups: "Int4Groups", weight: torch.Tensor, rows: int = 16) -> None:
+    """The file's codes must be the weight transformers loaded (the name mapping and llama's
+    row permutation are right): its first rows must round to the same bf16 values."""
+    from spirit.model.gguf_blocks import Int4Groups
+
+    head = Int4Groups(groups.codes[:rows], groups.scale[:rows], groups.zero[:rows]).dequantized()
+    loaded = weight[:rows].detach().to(torch.bfloat16).float().cpu()
+    if not torch.allclose(head.to(torch.bfloat16).float(), loaded, rtol=1e-2, atol=1e-3):
+        raise ValueError(f"the GGUF file's blocks for {name} do not match the weights loaded from it; "
+                         "this file's tensor layout is not one spirit can read directly (use --weights bf16)")
+
+
 @torch.inference_mode()
 def pack_model(causal_lm: nn.Module, fmt: str, activation: torch.dtype = torch.bfloat16,
-               cache: Path | None = None) -> dict:
+               cache: Path | None = None,
+               blocks: Callable[[], Mapping[str, "GGUFLinear"]] | None = None) -> dict:
     """Replace every decoder linear layer and the lm_head of `causal_lm` by packed copies, in
     place; loaded from `cache` when a packing of these layers is kept there (else built, and
-    kept if slow). Returns what was done: formats, bytes before and after, seconds."""
+    kept if slow). `fmt`: "int8", "int4" or FILE_PRECISION; `blocks`: reads the GGUF file's
+    linear weights by module name (model/gguf_blocks.read_linears), only when a packing is
+    built; their 4-bit blocks are packed with their own codes. Returns what was done: formats, bytes before and after, seconds."""
     started = time.perf_counter()
     targets = packable_linears(causal_lm)
+    names = {id(module): name for name, module in causal_lm.named_modules()}
     before = sum(linear.weight.numel() * linear.weight.element_size() for _, _, linear in targets)
     kept = _load(cache, targets, activation) if cache is not None and cache.exists() else None
-    packed = kept or [PackedLinear.from_linear(linear, fmt, activation) for _, _, linear in targets]
+    if kept is None:
+        by_name = blocks() if blocks is not None else {}
+        packed = [_packed(names[id(linear)], linear, fmt, activation, by_name) for _, _, linear in targets]
+    else:
+        packed = kept
     for (parent, name, linear), module in zip(targets, packed):
         if name == "lm_head":
             module.row_source = linear.weight.detach()  # tied: the embedding's own table, no copy
@@ -127,6 +185,7 @@ def pack_model(causal_lm: nn.Module, fmt: str, activation: torch.dtype = torch.b
         _save(cache, packed)
     after = sum(m.packed.numel() * m.packed.element_size() + m.scales.numel() * m.scales.element_size() for m in packed)
     return {"format": fmt, "linears": len(packed), "formats": sorted({m.format for m in packed}),
+            "file_codes": sum(m.file_codes for m in packed),
             "bytes_before": before, "bytes_after": after, "seconds": round(seconds, 2), "from_cache": kept is not None}
 
 
@@ -135,7 +194,8 @@ def _save(path: Path, modules: list[PackedLinear]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # a reader never sees half a file
         torch.save([{"format": m.format, "packed": m.packed, "scales": m.scales, "bias": m.bias,
-                     "in_features": m.in_features, "out_features": m.out_features} for m in modules], tmp)
+                     "in_features": m.in_features, "out_features": m.out_features, "file_codes": m.file_codes}
+                    for m in modules], tmp)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs packing again
@@ -149,6 +209,8 @@ def _load(path: Path, targets: list[tuple[nn.Module, str, nn.Linear]], activatio
         state = torch.load(path, weights_only=True, map_location=device)
         modules = [PackedLinear(s["format"], s["packed"], s["scales"], s["bias"], s["in_features"], s["out_features"])
                    for s in state]
+        for module, s in zip(modules, state):
+            module.file_codes = bool(s.get("file_codes", False))
     except Exception:
         return None
     shapes_match = len(modules) == len(targets) and all(

@@ -56,13 +56,21 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
     scale = ((high - low) / 15.0).clamp(min=1e-12)
     q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
-    if weight.device.type == "cuda":
+    zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
+    return pack_int4(q, scale.squeeze(-1), zero.squeeze(-1))
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [out, in] in 0..15 and per-group scale, zero [out, in // group] (w = (q - 8) *
+    scale + zero) -> the device kernel's packed weight and scales-and-zeros [groups, out, 2]
+    (float32; the caller casts them to the activation dtype)."""
+    q = codes.to(torch.int32)
+    if q.device.type == "cuda":
         pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [out, in // 2], high nibble first
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _INT4_INNER_K_TILES_CUDA)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
-    zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
-    scales_and_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
+    scales_and_zeros = torch.stack([scale.float(), zero.float()], dim=-1)  # [out, groups, 2]
     return packed, scales_and_zeros.transpose(0, 1).contiguous()
 
 
