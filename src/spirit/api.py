@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from spirit.engine import DecodeSettings, Engine
+from spirit.engine import DecodeSettings, Decoding, Engine
 from spirit.machine import PassCosts
 from spirit.model.adapter import SkippableModel
 from spirit.model.exactness import Exactness
@@ -53,7 +53,10 @@ class GenerationResult:
 
 
 class TextStream:
-    """Iterator of text pieces; `.result` holds the GenerationResult once it is exhausted."""
+    """Iterator of text pieces; `.result` holds the GenerationResult once it is exhausted.
+
+    Alone, iterating runs the request on the engine. In a batch (server/scheduler.py), the
+    batch runs `start()`'s decoding and hands each round's tokens to `feed`, then `close`."""
 
     def __init__(self, lm: "Spirit", request: Request, prompt_ids: list[int], policy: Policy) -> None:
         self._lm = lm
@@ -61,6 +64,9 @@ class TextStream:
         self._prompt_ids = prompt_ids
         self._policy = policy
         self._cancelled = False
+        self._stop_hit = False
+        self._ids: list[int] = []
+        self._emitted = ""
         self.result: GenerationResult | None = None
 
     def cancel(self) -> None:
@@ -68,43 +74,73 @@ class TextStream:
         Safe to call from another thread; the stream then ends with finish_reason "cancelled"."""
         self._cancelled = True
 
-    def __iter__(self) -> Iterator[str]:
-        tok = self._lm.tokenizer
-        settings = DecodeSettings(self._request.max_new_tokens, self._request.sampling, self._lm.eos_token_ids)
-        stop_hit = False
-        decoding = self._lm.engine.decode(
-            self._prompt_ids, settings, self._policy, self._request.tag,
-            stop_requested=lambda: stop_hit or self._cancelled, learner=self._request.learner,
-        )
-        ids: list[int] = []
-        emitted = ""
-        while True:
-            try:
-                ids.extend(next(decoding))
-            except StopIteration as end:
-                stats: GenerationStats = end.value
-                break
-            text = tok.decode(ids, skip_special_tokens=True)
-            cut = _find_stop(text, self._request.stop)
-            if cut is not None:
-                text, stop_hit = text[:cut], True
-            elif text.endswith("\ufffd"):
-                continue  # maybe half a multi-byte character: wait for the rest
-            if len(text) > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted):]
-            emitted = text
-        if not stop_hit:  # the last pieces may have ended in a (truly) invalid byte sequence
-            text = tok.decode(ids, skip_special_tokens=True)
-            if len(text) > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted):]
-            emitted = text
-        if stop_hit or (ids and ids[-1] in self._lm.eos_token_ids):
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def stopping(self) -> bool:
+        """A stop string was produced or the stream was cancelled: decode no further."""
+        return self._stop_hit or self._cancelled
+
+    def _settings(self) -> DecodeSettings:
+        return DecodeSettings(self._request.max_new_tokens, self._request.sampling, self._lm.eos_token_ids)
+
+    def start(self) -> Decoding:
+        """The request's decoding state, for a batch to run (engine.Decoding)."""
+        return self._lm.engine.start(self._prompt_ids, self._settings(), self._policy, self._request.tag,
+                                     learner=self._request.learner)
+
+    def feed(self, ids: list[int]) -> str:
+        """Take newly committed tokens; return the text they add ("" while a stop string or a
+        multi-byte character may still be forming)."""
+        self._ids.extend(ids)
+        text = self._lm.tokenizer.decode(self._ids, skip_special_tokens=True)
+        cut = _find_stop(text, self._request.stop)
+        if cut is not None:
+            text, self._stop_hit = text[:cut], True
+        elif text.endswith("\ufffd"):
+            return ""  # maybe half a multi-byte character: wait for the rest
+        return self._advance(text)
+
+    def _advance(self, text: str) -> str:
+        piece = text[len(self._emitted):] if len(text) > len(self._emitted) and text.startswith(self._emitted) else ""
+        self._emitted = text
+        return piece
+
+    def close(self, stats: GenerationStats) -> str:
+        """End the stream with the engine's figures: sets `.result`; returns the last text
+        (pieces that ended in a truly invalid byte sequence)."""
+        tail = ""
+        if not self._stop_hit:
+            tail = self._advance(self._lm.tokenizer.decode(self._ids, skip_special_tokens=True))
+        ids = self._ids
+        if self._stop_hit or (ids and ids[-1] in self._lm.eos_token_ids):
             finish = "stop"
         elif self._cancelled and len(ids) < self._request.max_new_tokens:
             finish = "cancelled"
         else:
             finish = "length"
-        self.result = GenerationResult(emitted, ids, stats, finish, self._request.method)
+        self.result = GenerationResult(self._emitted, ids, stats, finish, self._request.method)
+        return tail
+
+    def __iter__(self) -> Iterator[str]:
+        decoding = self._lm.engine.decode(
+            self._prompt_ids, self._settings(), self._policy, self._request.tag,
+            stop_requested=lambda: self.stopping, learner=self._request.learner,
+        )
+        while True:
+            try:
+                ids = next(decoding)
+            except StopIteration as end:
+                stats: GenerationStats = end.value
+                break
+            piece = self.feed(ids)
+            if piece:
+                yield piece
+        tail = self.close(stats)
+        if tail:
+            yield tail
 
 
 def _quantized_cache(loaded: LoadedModel) -> Path | None:

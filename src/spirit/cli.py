@@ -1,4 +1,4 @@
-"""The `spirit` command line: generate, models, bench, sol, serve.
+"""The `spirit` command line: generate, models, bench, sol, serve, bench-serve.
 
 Every user error ends in one line on stderr and a non-zero exit, never a traceback.
 """
@@ -72,7 +72,7 @@ class SubsystemCommand:
 
     name: str
     module: str  # defines register(subparsers), which sets the parser's `func`
-    extra: str | None = None  # the pyproject extra it needs
+    extra: str | None = None  # the pyproject extra it needs; several comma-separated, as pip takes them
     needs: tuple[str, ...] = ()  # modules that extra installs
     purpose: str = ""  # what they are for, in the message
 
@@ -103,9 +103,10 @@ class SubsystemCommand:
         def run(args: argparse.Namespace) -> int:
             missing = self.missing()
             if missing:
+                extras = self.extra.split(",")
+                which = " and ".join(f"'{e}'" for e in extras) + (" extras install" if len(extras) > 1 else " extra installs")
                 raise CLIError(f"spirit {self.name} needs {' and '.join(missing)}{self.purpose}, which the "
-                               f"'{self.extra}' extra installs: pip install -e '.[{self.extra}]' "
-                               f"(or pip install 'spirit[{self.extra}]')")
+                               f"{which}: pip install -e '.[{self.extra}]' (or pip install 'spirit[{self.extra}]')")
             return func(args)
 
         return run
@@ -115,6 +116,8 @@ SUBSYSTEM_COMMANDS = (
     SubsystemCommand("bench", "spirit.bench.cli", "bench", ("matplotlib",), " for its plots"),
     SubsystemCommand("sol", "spirit.sol.cli"),
     SubsystemCommand("serve", "spirit.server.cli", "serve", ("fastapi", "uvicorn", "pydantic"), " for the HTTP server"),
+    SubsystemCommand("bench-serve", "spirit.bench.serve_cli", "serve,bench", ("fastapi", "uvicorn", "pydantic", "matplotlib"),
+                     " for the HTTP server and its plots"),
 )
 
 

@@ -14,6 +14,10 @@ Rejected slots are simply not advanced over (see model/kv_cache.py); nothing is 
 The engine measures and the policy decides: the policy's `Plan` says what a window runs and
 for how many new tokens; at its end the engine reports a `WindowStats` carrying the plan back
 and asks for the next one.
+
+A request's state between rounds is a `Decoding` (propose, one full-model pass over its
+segment, commit). `Engine.decode` runs one request's rounds alone; batch.py runs several
+requests' rounds with their segments packed into one pass. Both run the same `Decoding`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from spirit import proposers
 from spirit.draft_model.learners import SHARED_LEARNER, DraftLearners
 from spirit.draft_model.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
 from spirit.machine import DRAFT_BITS_FORMAT, PassCosts
-from spirit.model.adapter import SkippableModel
+from spirit.model.adapter import Segment, SkippableModel
 from spirit.model.lowbit import PackedLinear
 from spirit.plan import Plan
 from spirit.policies.base import ModelInfo, Policy, RequestInfo, VanillaPolicy
@@ -42,6 +46,9 @@ from spirit.verify import verify_tree_greedy, verify_tree_gumbel, verify_tree_sa
 
 _NO_SKIP = SkipSet()
 PROBE_TOKENS = 32  # committed tokens a teacher-forced agreement probe scores
+# prompt tokens per prefill pass: compute-bound at this size on CPUs, and short enough that a
+# new request's prefill holds the others in a batch up for one such pass at a time
+PREFILL_CHUNK = 128
 
 
 class ContextLengthError(ValueError):
@@ -125,6 +132,18 @@ class Engine:
                 f"model's context of {self.max_context} tokens"
             )
 
+    def start(
+        self,
+        prompt_ids: list[int],
+        settings: DecodeSettings,
+        policy: Policy | None = None,
+        tag: str | None = None,
+        learner: str = SHARED_LEARNER,
+    ) -> "Decoding":
+        """A request's decoding state, before its prefill; its rounds run alone (`decode`) or
+        packed with other requests' (batch.py). Raises ContextLengthError if it cannot fit."""
+        return Decoding(self, prompt_ids, settings, policy or VanillaPolicy(self.info), tag, learner)
+
     def decode(
         self,
         prompt_ids: list[int],
@@ -140,58 +159,17 @@ class Engine:
         `stop_requested()` turns true after a yield (a stop string, a client that left).
         The reduced draft head is `learner`'s, and learns this request's prompt and output.
         """
-        self.check_fits(len(prompt_ids), settings.max_new_tokens)
-        policy = policy or VanillaPolicy(self.info)
-        self._requests += 1
-        request = RequestInfo(self._requests, tuple(prompt_ids), settings.max_new_tokens, tag)
-        sampling = settings.sampling
-        # a generator (rejection mode) or per-position Gumbel noise (gumbel mode; sampling.py)
-        generator = randomness(sampling, self.model.shape.vocab_size)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        t_start = time.perf_counter()
-
-        plan = self._known_sources(policy.start_request(request))
-        heads = self.learners.start(learner, prompt_ids, settings.eos_token_ids)
-        sources = proposers.for_request(DraftResources(self.model, self.quantized_mlps, heads.head), self.sources)
-        cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
-        prompt = torch.tensor([prompt_ids], device=self.model.device)
-        logits = self.model.forward(prompt, 0, cache, _NO_SKIP, last_only=True)[0]
-        first = self._pick(logits, sampling, generator, len(prompt_ids))
-        ids = list(prompt_ids) + [first]
-        stats.prefill_time_s = time.perf_counter() - t_start
-        budget = settings.max_new_tokens - 1
-        window = _Window(plan, time.perf_counter())
-        done = first in settings.eos_token_ids or budget == 0
-        yield [first]  # the prefill's token; windows measure decoding only
-        done = done or (stop_requested is not None and stop_requested())
-
-        while not done:
-            config = window.plan.config
-            if config.probe is not None and window.probe_agreement is None:
-                window.probe_agreement = self._probe(ids, cache, config.probe, window.counters)
-            if config.speculative:
-                context = DraftContext(ids, cache, config, sampling, generator, settings.eos_token_ids)
-                new = self._speculative_round(context, sources, budget, window.counters)
-            else:
-                new = self._plain_step(ids, cache, sampling, generator, window.counters)
-            eos_at = next((i for i, t in enumerate(new) if t in settings.eos_token_ids), None)
-            if eos_at is not None:
-                new = new[: eos_at + 1]
-            new = new[:budget]  # a cut only happens on the request's last round
-            ids.extend(new)
-            budget -= len(new)
-            window.counters.new_tokens += len(new)
-            done = eos_at is not None or budget <= 0
-            yield new
-            done = done or (stop_requested is not None and stop_requested())
-            if window.counters.new_tokens >= window.plan.window_tokens and not done:
-                window = self._close_window(window, request, policy, stats, len(ids), final=False)
-
-        self._close_window(window, request, policy, stats, len(ids), final=True)
-        self.learners.finish(learner, ids[len(prompt_ids) :])
-        stats.new_tokens = len(ids) - len(prompt_ids)
-        stats.wall_time_s = time.perf_counter() - t_start
-        return stats
+        decoding = self.start(prompt_ids, settings, policy, tag, learner)
+        first: list[int] = []
+        while not first:
+            first = decoding.prefill_chunk()
+        yield first  # the prefill's token; windows measure decoding only
+        while not decoding.done and not (stop_requested is not None and stop_requested()):
+            round_ = decoding.propose()
+            t0 = time.perf_counter()
+            logits = self.model.forward_packed([decoding.segment(round_)], exact=self.exact)[0]
+            yield decoding.commit(round_, logits, time.perf_counter() - t0)
+        return decoding.finish()
 
     # -- one step of each kind -------------------------------------------------------------
 
@@ -201,61 +179,6 @@ class Engine:
     ) -> int:
         """The token at absolute `position` (its index in prompt + output)."""
         return pick(logits, sampling, generator, position)
-
-    def _plain_step(
-        self, ids: list[int], cache, sampling: SamplingParams, generator, counters: Counters
-    ) -> list[int]:
-        t0 = time.perf_counter()
-        committed = len(ids) - 1
-        step = torch.tensor([[ids[-1]]], device=self.model.device)
-        logits = self.model.forward(step, committed, cache, _NO_SKIP, exact=self.exact)[0]
-        token = self._pick(logits, sampling, generator, committed + 1)
-        counters.verify_time_s += time.perf_counter() - t0
-        return [token]
-
-    def _speculative_round(
-        self, context: DraftContext, sources: list[Proposer], budget: int, counters: Counters
-    ) -> list[int]:
-        ids, cache, sampling, generator = context.ids, context.cache, context.sampling, context.generator
-        # drafting more than budget - 1 tokens cannot pay: the verification adds one more
-        limit = min(context.config.max_draft, budget - 1, MAX_NODES - 1)
-        if limit < 1:
-            return self._plain_step(ids, cache, sampling, generator, counters)
-        t0 = time.perf_counter()
-        source, tree = self._propose(context, sources, limit)
-        if source is None:  # nothing to verify: this round is a plain step
-            counters.draft_time_s += time.perf_counter() - t0
-            return self._plain_step(ids, cache, sampling, generator, counters)
-        if self.exact and tree.size > self.model.exactness.max_rows:
-            tree = tree.truncated(self.model.exactness.max_rows)  # larger passes are not row-invariant here
-        t1 = time.perf_counter()
-        committed = len(ids) - 1
-        device = self.model.device
-        verify_input = torch.tensor([tree.tokens], device=device)
-        if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
-            target_logits = self.model.forward(verify_input, committed, cache, _NO_SKIP, exact=self.exact)  # [size, vocab]
-        else:
-            target_logits = self.model.forward(
-                verify_input, committed, cache, _NO_SKIP,
-                positions=tree.positions(committed, device), visible=tree.visible(committed, device), exact=self.exact,
-            )
-        if sampling.greedy:
-            verdict = verify_tree_greedy(tree, target_logits)
-        elif isinstance(generator, GumbelNoise):
-            verdict = verify_tree_gumbel(tree, target_logits, sampling, generator, committed)
-        else:
-            verdict = verify_tree_sampling(tree, probabilities(target_logits, sampling), generator)
-        cache.keep_path(committed + 1, [committed + node for node in verdict.path])
-        t2 = time.perf_counter()
-        for each in sources:
-            each.accepted(tree, verdict.path)
-        counters.draft_time_s += t1 - t0
-        counters.verify_time_s += t2 - t1
-        counters.draft_rounds += 1
-        counters.lookup_rounds += source.model_free
-        counters.drafted += tree.drafted
-        counters.accepted += verdict.accepted
-        return [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
 
     @staticmethod
     def _propose(context: DraftContext, sources: list[Proposer], limit: int) -> tuple[Proposer | None, DraftTree]:
@@ -339,3 +262,197 @@ class Engine:
             if name not in known:
                 raise ValueError(f"unknown draft source {name!r}; this engine has {', '.join(sorted(known))}")
         return plan
+
+
+@dataclass
+class Round:
+    """What one round of a request verifies: `tree` (a lone root is a plain step), the
+    source that drafted it (None for a plain step) and the time its drafting took."""
+
+    tree: DraftTree
+    source: Proposer | None
+    draft_time_s: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.source is None
+
+
+class Decoding:
+    """One request between rounds: its tokens, its KV cache, its policy's window and its
+    draft sources. A round is `propose` (probe and draft, alone: they run this request's own
+    draft configuration), then one full-model pass over `segment(round)` (alone or packed
+    with other requests' segments), then `commit` of that pass's logits.
+
+    Prefill runs in chunks of PREFILL_CHUNK tokens, each pass alone, the same way whether the
+    request decodes alone or among others: that keeps its KV bit for bit the same either way,
+    and a long prompt holds the others up one chunk at a time, not for its whole length.
+    """
+
+    def __init__(
+        self, engine: Engine, prompt_ids: list[int], settings: DecodeSettings, policy: Policy, tag: str | None,
+        learner: str,
+    ) -> None:
+        engine.check_fits(len(prompt_ids), settings.max_new_tokens)
+        self.engine = engine
+        self.model = engine.model
+        self.settings = settings
+        self.policy = policy
+        self.learner = learner
+        engine._requests += 1
+        self.request = RequestInfo(engine._requests, tuple(prompt_ids), settings.max_new_tokens, tag)
+        # a generator (rejection mode) or per-position Gumbel noise (gumbel mode; sampling.py)
+        self.generator = randomness(settings.sampling, self.model.shape.vocab_size)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.started = time.perf_counter()
+        self.plan = engine._known_sources(policy.start_request(self.request))
+        heads = engine.learners.start(learner, prompt_ids, settings.eos_token_ids)
+        self.sources = proposers.for_request(
+            DraftResources(self.model, engine.quantized_mlps, heads.head), engine.sources)
+        self.cache = self.model.new_cache(len(prompt_ids) + settings.max_new_tokens + max(PROBE_TOKENS, MAX_NODES) + 2)
+        self.ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.prefilled = 0  # prompt tokens in the cache so far
+        self.budget = settings.max_new_tokens
+        self.window: _Window | None = None
+        self.done = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.window is None
+
+    @property
+    def acceptance(self) -> float | None:
+        """The fraction of drafted tokens accepted so far (None before any draft)."""
+        counters = self.counters()
+        return counters.acceptance_rate if counters.drafted else None
+
+    @property
+    def window_config(self) -> DraftConfig:
+        """The draft configuration the open window runs (the policy's plan)."""
+        if self.window is None:
+            raise RuntimeError("the request has not been prefilled")
+        return self.window.plan.config
+
+    def counters(self) -> Counters:
+        """The request's counters so far: closed windows and the open one."""
+        total = Counters()
+        total.add(self.stats.counters)
+        if self.window is not None:
+            total.add(self.window.counters)
+        return total
+
+    def prefill_chunk(self) -> list[int]:
+        """Run the next chunk of the prompt; at the last one, return [the first new token]."""
+        device = self.model.device
+        end = min(self.prefilled + PREFILL_CHUNK, self.prompt_len)
+        chunk = torch.tensor([self.ids[self.prefilled : end]], device=device)
+        if end < self.prompt_len:
+            self.model.hidden_states(chunk, self.prefilled, self.cache, _NO_SKIP)
+            self.prefilled = end
+            return []
+        logits = self.model.forward(chunk, self.prefilled, self.cache, _NO_SKIP, last_only=True)[0]
+        self.prefilled = end
+        first = self.engine._pick(logits, self.settings.sampling, self.generator, self.prompt_len)
+        self.ids.append(first)
+        self.budget -= 1
+        self.stats.prefill_time_s = time.perf_counter() - self.started
+        self.window = _Window(self.plan, time.perf_counter())
+        self.done = first in self.settings.eos_token_ids or self.budget == 0
+        return [first]
+
+    def propose(self, draft_limit: int | None = None) -> Round:
+        """This round's tree: drafted by the window's configuration, at most `draft_limit`
+        drafted tokens (a batch's budget; None: the configuration's own limit), or a plain step."""
+        window = self._window()
+        config = window.plan.config
+        if config.probe is not None and window.probe_agreement is None:
+            window.probe_agreement = self.engine._probe(self.ids, self.cache, config.probe, window.counters)
+        pending = DraftTree(self.ids[-1])
+        # drafting more than budget - 1 tokens cannot pay: the verification adds one more
+        limit = min(config.max_draft, self.budget - 1, MAX_NODES - 1)
+        if draft_limit is not None:
+            limit = min(limit, draft_limit)
+        if not config.speculative or limit < 1:
+            return Round(pending, None)
+        t0 = time.perf_counter()
+        context = DraftContext(self.ids, self.cache, config, self.settings.sampling, self.generator,
+                               self.settings.eos_token_ids)
+        source, tree = self.engine._propose(context, self.sources, limit)
+        draft_time = time.perf_counter() - t0
+        if source is None:  # nothing to verify: this round is a plain step
+            window.counters.draft_time_s += draft_time
+            return Round(pending, None)
+        exactness = self.model.exactness
+        if self.engine.exact and tree.size > exactness.max_rows:
+            tree = tree.truncated(exactness.max_rows)  # larger passes are not row-invariant here
+        return Round(tree, source, draft_time)
+
+    def segment(self, round_: Round) -> Segment:
+        """The rows this round's full-model pass runs for this request."""
+        committed = len(self.ids) - 1
+        device = self.model.device
+        tree = round_.tree
+        tokens = torch.tensor(tree.tokens, device=device)
+        if tree.is_chain():  # causal by slot: the adapter's cheaper default mask
+            return Segment(tokens, committed, self.cache)
+        return Segment(tokens, committed, self.cache, tree.positions(committed, device), tree.visible(committed, device))
+
+    def commit(self, round_: Round, logits: torch.Tensor, pass_time_s: float) -> list[int]:
+        """Verify the round's tree against the full model's `logits` [size, vocab]; commit
+        and return the new tokens (cut at EOS and at max_new_tokens)."""
+        window = self._window()
+        counters = window.counters
+        t0 = time.perf_counter()
+        committed = len(self.ids) - 1
+        sampling = self.settings.sampling
+        if round_.plain:
+            counters.draft_time_s += round_.draft_time_s  # a batch may cut a drafted tree to a plain step
+            new = [self.engine._pick(logits[0], sampling, self.generator, committed + 1)]
+        else:
+            tree = round_.tree
+            if sampling.greedy:
+                verdict = verify_tree_greedy(tree, logits)
+            elif isinstance(self.generator, GumbelNoise):
+                verdict = verify_tree_gumbel(tree, logits, sampling, self.generator, committed)
+            else:
+                verdict = verify_tree_sampling(tree, probabilities(logits, sampling), self.generator)
+            self.cache.keep_path(committed + 1, [committed + node for node in verdict.path])
+            for each in self.sources:
+                each.accepted(tree, verdict.path)
+            counters.draft_time_s += round_.draft_time_s
+            counters.draft_rounds += 1
+            counters.lookup_rounds += round_.source.model_free
+            counters.drafted += tree.drafted
+            counters.accepted += verdict.accepted
+            new = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        counters.verify_time_s += pass_time_s + time.perf_counter() - t0
+        eos_at = next((i for i, t in enumerate(new) if t in self.settings.eos_token_ids), None)
+        if eos_at is not None:
+            new = new[: eos_at + 1]
+        new = new[: self.budget]  # a cut only happens on the request's last round
+        self.ids.extend(new)
+        self.budget -= len(new)
+        counters.new_tokens += len(new)
+        self.done = eos_at is not None or self.budget <= 0
+        return new
+
+    def _window(self) -> _Window:
+        """The open window; a full one is closed (its figures go to the policy) first."""
+        if self.window is None:
+            raise RuntimeError("the request has not been prefilled")
+        if self.window.counters.new_tokens >= self.window.plan.window_tokens:
+            self.window = self.engine._close_window(self.window, self.request, self.policy, self.stats, len(self.ids),
+                                                    final=False)
+        return self.window
+
+    def finish(self) -> GenerationStats:
+        """End the request (done or stopped): the last window goes to the policy, the output
+        to the learner; returns the request's figures."""
+        if self.window is not None:
+            self.engine._close_window(self.window, self.request, self.policy, self.stats, len(self.ids), final=True)
+        self.engine.learners.finish(self.learner, self.ids[self.prompt_len :])
+        self.stats.new_tokens = len(self.ids) - self.prompt_len
+        self.stats.wall_time_s = time.perf_counter() - self.started
+        self.done = True
+        return self.stats

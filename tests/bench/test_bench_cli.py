@@ -9,14 +9,7 @@ from spirit.bench.questions import SPEC_BENCH_URL
 from spirit.cli import build_parser, main
 
 
-@pytest.fixture(autouse=True)
-def no_model(monkeypatch):
-    import spirit
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("bad input must be refused before a model is loaded")
-
-    monkeypatch.setattr(spirit, "load", refuse)
+pytestmark = pytest.mark.usefixtures("no_model")  # tests/bench/conftest.py
 
 
 @pytest.fixture

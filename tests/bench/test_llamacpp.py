@@ -77,6 +77,13 @@ def test_context_is_a_power_of_two_within_the_model():
     assert context_size(5000, 6000) == 6000
 
 
+def test_lookup_reserves_slots_for_its_drafts_past_the_last_token():
+    plain, lookup = LlamaCppMethod(llamacpp.PLAIN), LlamaCppMethod(llamacpp.LOOKUP)
+    assert plain.context_needed(1984, 64) == 2048
+    assert lookup.context_needed(1984, 64) > 2048  # a 2048-slot context would overflow on the last drafts
+    assert context_size(lookup.context_needed(1984, 64), 32768) == 4096
+
+
 def test_draft_counts_are_the_accepted_prefixes():
     drafts = iter([np.array([7, 8, 9]), np.array([], dtype=np.intc), np.array([5, 6])])
     log = DraftLog(lambda ids: next(drafts))

@@ -163,8 +163,14 @@ class LlamaCppMethod:
         # warm-up or not is the same: nothing is kept between requests (the context is cleared)
         ids = lm.encode(prompt, chat=not isinstance(prompt, str))  # spirit's own prompt tokens
         lm.engine.check_fits(len(ids), max_new_tokens)  # the same limit, and error, as spirit's requests
-        llama = self._open(lm, len(ids) + max_new_tokens)
+        llama = self._open(lm, self.context_needed(len(ids), max_new_tokens))
         return self._generate(llama, lm, ids, max_new_tokens)
+
+    def context_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Slots a request needs: its prompt and output, and with lookup the drafts evaluated
+        past the last kept token (llama-cpp-python writes their logits past n_ctx otherwise,
+        and fails with a shape error: seen on a 1984-token prompt with 64 new tokens)."""
+        return prompt_tokens + max_new_tokens + (LOOKUP_TOKENS + 1 if self.lookup else 0)
 
     def _open(self, lm, needed: int):
         if self._llama is not None and needed <= self._n_ctx:

@@ -32,6 +32,12 @@ def peak_rss_bytes() -> int:
     return peak if platform.system() == "Darwin" else peak * 1024
 
 
+def machine_line(m: dict) -> str:
+    """The reports' one line about the machine, from a `machine_info` dict."""
+    return (f"machine: {m.get('cpu')}, {m.get('cores')} usable cores, {m.get('torch_threads')} torch threads; "
+            f"torch {m.get('torch')}, transformers {m.get('transformers')}, Python {m.get('python')}")
+
+
 def machine_info(lm) -> dict:
     import torch
     import transformers

@@ -16,6 +16,15 @@ def _pyplot():
     return plt
 
 
+def save(fig, path: Path) -> Path:
+    """Lay out, write the PNG at the reports' resolution, and free the figure."""
+    plt = _pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_speedup(table: dict[str, dict[str, Figures]], path: Path, title: str) -> Path:
     """Grouped bars: speedup over vanilla per category (and overall), one bar per method."""
     plt = _pyplot()
@@ -33,10 +42,7 @@ def plot_speedup(table: dict[str, dict[str, Figures]], path: Path, title: str) -
     ax.set_ylabel("speedup over vanilla (tokens/s ratio)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_timeline(timelines: dict[str, list[dict]], path: Path, title: str) -> Path:
@@ -63,10 +69,7 @@ def plot_timeline(timelines: dict[str, list[dict]], path: Path, title: str) -> P
     bottom.set_ylim(bottom=0)
     top.legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def _segments(points: list[dict]) -> list[tuple[float, float, str]]:

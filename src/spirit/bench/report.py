@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from spirit.bench.answers import write_answers
-from spirit.bench.machine import peak_rss_bytes
+from spirit.bench.machine import machine_line, peak_rss_bytes
 from spirit.bench.metrics import BASELINE, OTHER_ENGINES, OVERALL, Figures, Lossless, QuestionRun, first_in_category
 from spirit.bench.runner import BenchResult
 
@@ -283,8 +283,7 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
     n_turns = sum(len(q.turns) for q in result.questions)
     lines = [
         f"# spirit bench: {result.model} ({result.dtype})", "",
-        f"- machine: {m.get('cpu')}, {m.get('cores')} usable cores, {m.get('torch_threads')} torch threads; "
-        f"torch {m.get('torch')}, transformers {m.get('transformers')}, Python {m.get('python')}",
+        f"- {machine_line(m)}",
         f"- {len(result.questions)} questions ({n_turns} turns), methods {', '.join(result.methods)}, "
         f"max {result.settings.get('max_new_tokens')} new tokens, greedy; order: {result.settings.get('order')}, "
         f"after a warm-up: {result.settings.get('warmup')}",

@@ -14,7 +14,7 @@ Two layouts cover the supported families:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -24,7 +24,7 @@ from torch import nn
 from spirit.model import attention
 from spirit.model.attention import RowKeys
 from spirit.model.exactness import Exactness, check_exactness
-from spirit.model.kv_cache import KVCache
+from spirit.model.kv_cache import KVCache, PackedCaches
 from spirit.skipset import SkipSet
 
 
@@ -49,6 +49,24 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
     max_positions: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows in a full-model pass: `input_ids` [q] in its cache's slots
+    [start, start + q), at `positions` [q] (default the slots), seeing `visible` [q, start + q]
+    (default causal by slot; token trees give their own)."""
+
+    input_ids: torch.Tensor
+    start: int
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+
+    def slot_positions(self, device: torch.device) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.start, self.start + len(self.input_ids), device=device)
 
 
 def detect_layout(layer: nn.Module) -> Layout:
@@ -195,27 +213,41 @@ class SkippableModel:
         cache.begin(start, q)
         if positions is None:
             positions = torch.arange(start, start + q, device=self.device)
+
+        def attention(window: int | None) -> tuple[torch.Tensor | None, dict[str, RowKeys]]:
+            if exact:  # the rows say what each query sees
+                return None, {"rows": RowKeys.from_mask(self._allowed(start, positions, window, visible))}
+            return self._mask(start, positions, window, visible), {}
+
+        return self._run(input_ids, positions, cache, skip, attention, mlps)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | PackedCaches,
+        skip: SkipSet,
+        attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
+        mlps: Sequence[nn.Module] | None = None,
+    ) -> torch.Tensor:
+        """The layers over [1, q] tokens at `positions`; `attention(window)` gives the mask
+        and the extra keywords (row-wise keys) of the layers with that sliding window."""
         hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
         rotary = self._rotary(hidden, positions[None])
-        masks: dict[int | None, torch.Tensor | None] = {}
-        row_keys: dict[int | None, dict[str, RowKeys]] = {}  # window -> the `rows` keyword, if exact
+        by_window: dict[int | None, tuple[torch.Tensor | None, dict[str, RowKeys]]] = {}
         sandwich = self.layout is Layout.SANDWICH
         for i, layer in enumerate(self.layers):
             if i not in skip.attn:
                 window = self._windows[i]
-                if window not in masks:
-                    if exact:
-                        masks[window] = None  # the rows say what each query sees
-                        row_keys[window] = {"rows": RowKeys.from_mask(self._allowed(start, positions, window, visible))}
-                    else:
-                        masks[window] = self._mask(start, positions, window, visible)
-                        row_keys[window] = {}
+                if window not in by_window:
+                    by_window[window] = attention(window)
+                mask, row_keys = by_window[window]
                 attn_out, _ = layer.self_attn(
                     hidden_states=layer.input_layernorm(hidden),
                     position_embeddings=rotary[self.layer_types[i]],
-                    attention_mask=masks[window],
+                    attention_mask=mask,
                     **{self._cache_kw: cache},
-                    **row_keys[window],
+                    **row_keys,
                 )
                 if sandwich:
                     attn_out = layer.post_attention_layernorm(attn_out)
@@ -227,6 +259,33 @@ class SkippableModel:
                 else:
                     hidden = hidden + mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
+
+    @torch.inference_mode()
+    def forward_packed(self, segments: Sequence[Segment], exact: bool = False) -> list[torch.Tensor]:
+        """Full-model logits [q_i, vocab] for each segment, all in one pass (continuous batching).
+
+        One segment is `forward` itself. Several: their rows go through the linear layers
+        together and each row attends, row by row, to its own request's cache only; with
+        `exact`, every row's logits are then the bits that request would get decoding alone
+        (the pass must stay within `exactness.max_rows`, where the linear layers are
+        row-invariant). Writes each segment's KV into its own cache.
+        """
+        if len(segments) == 1:
+            one = segments[0]
+            return [self.forward(one.input_ids[None], one.start, one.cache, SkipSet(), positions=one.positions,
+                                 visible=one.visible, exact=exact)]
+        rows = [len(segment.input_ids) for segment in segments]
+        positions = [segment.slot_positions(self.device) for segment in segments]
+        input_ids = torch.cat([segment.input_ids for segment in segments])[None]
+        caches = PackedCaches([(segment.cache, segment.start, q) for segment, q in zip(segments, rows)])
+
+        def attention(window: int | None) -> tuple[None, dict[str, RowKeys]]:
+            keys = [RowKeys.from_mask(self._allowed(segment.start, pos, window, segment.visible)).reading(segment.cache)
+                    for segment, pos in zip(segments, positions)]
+            return None, {"rows": sum(keys[1:], keys[0])}
+
+        hidden = self._run(input_ids, torch.cat(positions), caches, SkipSet(), attention)[0]
+        return list(self.logits(hidden).split(rows))
 
     def _pad(
         self, input_ids: torch.Tensor, start: int, positions: torch.Tensor | None, visible: torch.Tensor | None, rows: int

@@ -18,6 +18,7 @@ passes through. Without `rows` (prefill, drafts, transformers' own `generate`) i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
@@ -28,6 +29,9 @@ ROWWISE_ATTENTION = "spirit_rowwise"
 
 KeySlots = slice | torch.Tensor | None  # a contiguous range, ascending slot indices, or nothing
 
+if TYPE_CHECKING:
+    from spirit.model.kv_cache import KVCache
+
 
 @dataclass(frozen=True)
 class RowKeys:
@@ -37,9 +41,13 @@ class RowKeys:
     in place; an index tensor (token trees) gathers the row's ancestors in slot order, which
     is the order plain decoding would have written them. None: a padding row, whose output
     is never read; it gets zeros and costs nothing.
+
+    `caches`, in a pass that packs several requests' rows (continuous batching), names the
+    cache each row reads its keys from (its own request's); None: the pass's one cache.
     """
 
     slots: tuple[KeySlots, ...]
+    caches: "tuple[KVCache, ...] | None" = None
 
     @classmethod
     def from_mask(cls, allowed: torch.Tensor) -> "RowKeys":
@@ -53,6 +61,16 @@ class RowKeys:
             first, last = int(idx[0]), int(idx[-1])
             rows.append(slice(first, last + 1) if last - first + 1 == idx.numel() else idx)
         return cls(tuple(rows))
+
+    def __add__(self, other: "RowKeys") -> "RowKeys":
+        """The rows of two requests' segments, one after the other, each reading its own cache."""
+        if self.caches is None or other.caches is None:
+            raise ValueError("only rows that name their caches can be packed into one pass")
+        return RowKeys(self.slots + other.slots, self.caches + other.caches)
+
+    def reading(self, cache: "KVCache") -> "RowKeys":
+        """These rows, each reading its keys from `cache`."""
+        return RowKeys(self.slots, (cache,) * len(self.slots))
 
 
 def rowwise_attention(
@@ -76,11 +94,15 @@ def rowwise_attention(
         scaling = head_dim**-0.5
     softcap = kwargs.get("softcap")
     out = query.new_zeros(q, heads, head_dim)
+    layer = getattr(module, "layer_idx", None)
     for i, slots in enumerate(rows.slots):
         if slots is None:
             continue
-        k = key[0][:, slots]  # [kv_heads, L, head_dim]
-        v = value[0][:, slots]
+        if rows.caches is None:
+            k, v = key[0][:, slots], value[0][:, slots]  # [kv_heads, L, head_dim]
+        else:  # the row's own request's cache, which the pass has just written
+            cache = rows.caches[i]
+            k, v = cache.keys[layer][0][:, slots], cache.values[layer][0][:, slots]
         # .contiguous(): the row's query must have the same layout whatever q is
         qi = query[0, :, i].contiguous().view(kv_heads, groups, head_dim)
         scores = torch.matmul(qi, k.transpose(1, 2)).float() * scaling  # [kv_heads, groups, L]

@@ -71,3 +71,28 @@ class KVCache:
 
     def committed_view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
+
+
+class PackedCaches:
+    """Several requests' caches behind one `update`, for a pass that packs their rows.
+
+    The pass's rows are the requests' rows one after the other; `parts` gives each request's
+    cache, the first slot its rows write and how many rows it has. `update` writes each
+    request's keys and values into its own cache; attention then reads every row's keys from
+    its own request's cache (model/attention.py, `RowKeys.caches`), so nothing is copied.
+    """
+
+    def __init__(self, parts: list[tuple[KVCache, int, int]]) -> None:
+        for cache, start, rows in parts:
+            cache.begin(start, rows)
+        self.parts = parts
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        offset = 0
+        for cache, start, rows in self.parts:
+            cache.keys[layer_idx][:, :, start : start + rows] = key_states[:, :, offset : offset + rows]
+            cache.values[layer_idx][:, :, start : start + rows] = value_states[:, :, offset : offset + rows]
+            offset += rows
+        return key_states, value_states  # unused: the rows name the caches they read

@@ -76,6 +76,11 @@ class Policy(ABC):
         """The last (possibly partial) window of a request."""
         self.learn(stats)
 
+    # whether several requests may decode at once (a batch, batch.py) under this one policy
+    # object, their windows' feedback interleaved; False for a policy that keeps one
+    # request's state between its windows (sp2ec's per-query search)
+    interleaved: ClassVar[bool] = True
+
     # False for policies that must measure configurations offline before serving (`dv`);
     # the caller then runs `calibrate(measure)` with measure(skip) -> tokens/s, measuring on
     # the policy's own `calibration_prompts` in turn

@@ -69,6 +69,7 @@ class GoldenSection:
 
 
 class Sp2ecPolicy(Policy):
+    interleaved = False  # one query's golden-section search runs over that query's windows
     name = "sp2ec"
     window_tokens = WINDOW
 

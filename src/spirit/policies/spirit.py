@@ -172,6 +172,9 @@ class SpiritPolicy(Policy):
         self.profiles: list[TaskProfile] = []
         self.order: list[tuple[str, int]] = prior_order(model.num_layers)
         self.current = 0
+        # request id -> its task profile, for requests decoding at once (a batch): each
+        # window's feedback goes to its own request's task
+        self.request_profiles: dict[int, int] = {}
         self.windows_since_plain = 0
         self.context = 0.0  # context length at the last feedback
         # recent windows' (profile, trial kind, ratio, score), for reports; bounded because a
@@ -355,8 +358,17 @@ class SpiritPolicy(Policy):
         if new:
             self.profiles.append(self._new_profile(nearest))
         self.current = index
+        self.request_profiles[request.request_id] = index
         self.profile.requests += 1
         return self.plan()
+
+    def on_window(self, stats: WindowStats) -> Plan:
+        self.current = self.request_profiles.get(stats.request_id, self.current)
+        return super().on_window(stats)
+
+    def end_request(self, stats: WindowStats) -> None:
+        self.current = self.request_profiles.pop(stats.request_id, self.current)
+        super().end_request(stats)
 
     def _new_profile(self, nearest: int | None) -> TaskProfile:
         """A new task starts from its nearest known task's configuration and searches

@@ -122,7 +122,7 @@ class _Server:
             SkipSet.parse(config.skip).validate(lm.num_layers)  # a layer the model lacks: fail at start
         self.allowed = config.allowed_methods
         methods.prepare(lm, self.allowed, config.skip)  # no request may start a build
-        self.scheduler = Scheduler(lm, config.max_queue, on_finish=self._finished)
+        self.scheduler = Scheduler(lm, config.max_queue, on_finish=self._finished, max_batch=config.max_batch)
         self.vocab_size = int(getattr(lm.hf_model.config, "vocab_size", 0) or len(lm.tokenizer))
         # one thread: requests tokenize one at a time, as they did on the event loop (a
         # tokenizer is not safe to call from several threads at once), but off the loop
@@ -386,12 +386,12 @@ def create_app(lm: Spirit, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.get("/health")
     async def health():
         s = server.scheduler
-        return {"status": "ok", "model": server.name, "queue_depth": s.queue_depth, "busy": s.busy}
+        return {"status": "ok", "model": server.name, "queue_depth": s.queue_depth, "busy": s.busy, "running": s.running}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         s = server.scheduler
-        text = server.metrics.render(s.queue_depth, s.max_queue, s.busy)
+        text = server.metrics.render(s.queue_depth, s.max_queue, s.running)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:

@@ -11,6 +11,7 @@ import argparse
 import os
 
 from spirit.server.config import DEFAULT_MAX_BODY_BYTES
+from spirit.server.ray_serve import add_ray_args, ray_options, serve_on_ray
 
 
 def register(subparsers) -> None:
@@ -23,6 +24,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one; more get 429")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests decoded together in one engine (continuous batching); 1 = one at a time")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a request may wait and generate; 0 = none")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: env SPIRIT_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default the model's name)")
@@ -34,6 +37,7 @@ def register(subparsers) -> None:
                         "no offline calibration and no quantized draft beyond --method's; see docs/server.md). "
                         "What the allowed methods need is built before the server answers any request")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_ray_args(p)  # --ray, --replicas, ...: Ray is imported only when --ray runs
     p.set_defaults(func=cmd_serve)
 
 
@@ -46,10 +50,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     config = ServerConfig(
-        method=args.method, max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
+        method=args.method, max_queue=args.max_queue, max_batch=args.max_batch, request_timeout_s=args.request_timeout or None,
         api_key=args.api_key or os.environ.get("SPIRIT_API_KEY") or None, model_name=args.served_model_name,
         skip=args.skip, max_body_bytes=args.max_body_bytes, allow_methods=args.allow_methods,
     )
+    scale_out = ray_options(args)  # None without --ray; a Ray option without it is an error
+    if scale_out is not None:
+        return serve_on_ray(args, config, scale_out)
     lm = _load(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"spirit: warning: listening on {args.host} without an API key", flush=True)

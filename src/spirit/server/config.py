@@ -22,7 +22,8 @@ class ServerConfig:
     """How the server serves; every field is checked here, so a bad one fails at start."""
 
     method: str = "spirit"  # decoding method when a request names none (the adaptive default)
-    max_queue: int = 16  # requests that may wait behind the running one; more get a 429
+    max_queue: int = 16  # requests that may wait behind the running ones; more get a 429
+    max_batch: int = 1  # requests decoded together (continuous batching); 1 = one at a time
     request_timeout_s: float | None = 300.0  # queue wait + generation; None = no limit
     api_key: str | None = None  # Bearer token required on every route but /health
     model_name: str | None = None  # the name clients use; default the model's own name
@@ -44,6 +45,8 @@ class ServerConfig:
             SkipSet.parse(self.skip)  # a malformed --skip fails at start, not in the first request
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
         if self.max_body_bytes < 1:

@@ -15,9 +15,9 @@ It starts the server on a thread of this process (a free 127.0.0.1 port) and pri
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
-import threading
 import time
 
 PROMPTS = [
@@ -51,28 +51,19 @@ def _load(name: str, dtype: str | None):
 def sustained(url: str, concurrency: int, duration: float, max_tokens: int) -> dict:
     import httpx
 
-    done: list[tuple[int, int]] = []  # (status, completion tokens)
-    lock = threading.Lock()
+    from spirit.server.client import run_clients
+
+    issued = itertools.count()
     stop_at = time.perf_counter() + duration
 
-    def client(k: int) -> None:
-        with httpx.Client(timeout=300) as c:
-            i = k
-            while time.perf_counter() < stop_at:
-                body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0}
-                r = c.post(url + "/v1/completions", json=body)
-                n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
-                with lock:
-                    done.append((r.status_code, n))
-                i += concurrency
+    def send(client: httpx.Client, i: int) -> tuple[int, int]:  # (status, completion tokens)
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0}
+        r = client.post(url + "/v1/completions", json=body)
+        return r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    results, wall = run_clients(concurrency, lambda: next(issued) if time.perf_counter() < stop_at else None,
+                                lambda: httpx.Client(timeout=300), send)
+    done = list(results.values())
     ok = [n for status, n in done if status == 200]
     return {"wall_s": wall, "requests": len(done), "ok": len(ok), "requests_per_min": 60 * len(ok) / wall,
             "tokens_per_s": sum(ok) / wall, "statuses": sorted({s for s, _ in done})}

@@ -11,8 +11,8 @@ what other users' requests did and taught the shared policy (docs/server.md).
 
     spirit_http_requests_total{route,status}        requests answered, by HTTP status
     spirit_http_request_duration_seconds{route}     histogram, until the last byte (streams too)
-    spirit_queue_depth / spirit_queue_capacity      jobs waiting behind the running one / the bound
-    spirit_requests_running                         0 or 1: the engine runs one job at a time
+    spirit_queue_depth / spirit_queue_capacity      jobs waiting behind the running ones / the bound
+    spirit_requests_running                         jobs decoding now (at most --max-batch)
     spirit_generated_tokens_total, spirit_prompt_tokens_total, spirit_generation_seconds_total
     spirit_drafted_tokens_total, spirit_accepted_tokens_total
     spirit_generations_total{method,finish_reason}
@@ -61,7 +61,7 @@ class Metrics:
             self.drafted += s.counters.drafted
             self.accepted += s.counters.accepted
 
-    def render(self, queue_depth: int, queue_capacity: int, running: bool) -> str:
+    def render(self, queue_depth: int, queue_capacity: int, running: int) -> str:
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str) -> None:
@@ -87,7 +87,7 @@ class Metrics:
             for name, kind, help_, value in (
                 ("spirit_queue_depth", "gauge", "Requests waiting for the engine.", queue_depth),
                 ("spirit_queue_capacity", "gauge", "Most requests that may wait (--max-queue).", queue_capacity),
-                ("spirit_requests_running", "gauge", "Requests being generated (0 or 1).", int(running)),
+                ("spirit_requests_running", "gauge", "Requests being generated (at most --max-batch).", int(running)),
                 ("spirit_generated_tokens_total", "counter", "New tokens generated.", self.generated_tokens),
                 ("spirit_prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
                 ("spirit_generation_seconds_total", "counter", "Engine wall time, prefill included.",
