@@ -203,7 +203,9 @@ def test_probe_and_first_decisions_under_native_and_avx2_kernels(tmp_path):
     assert avx2.pass_ms("bfloat16", 16) > 3 * avx2.pass_ms("bfloat16", 1)
     if _has_avx512_bf16():
         native = runs["native"]
-        # the variables really change the kernels: natively 16 rows cost about one
-        assert native.pass_ms("bfloat16", 16) < 1.5 * native.pass_ms("bfloat16", 1)
+        # the variables really change the kernels: natively 16 rows cost far less than held to
+        # AVX2 (about one row on the Xeon, 1.6 rows on an AVX-512 EPYC, over 3 held to AVX2)
+        native_ratio = native.pass_ms("bfloat16", 16) / native.pass_ms("bfloat16", 1)
+        assert native_ratio < 2.0 and native_ratio < 0.7 * avx2.pass_ms("bfloat16", 16) / avx2.pass_ms("bfloat16", 1)
         assert best_predicted["avx2"] < 0.85 * best_predicted["native"]
         assert first_speculative["native"]
