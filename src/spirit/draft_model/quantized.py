@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spirit.model.quantize import (INT4_GROUP, int4_fits, int4_matmul, int8_matmul, quantize_int4,
-                                   quantize_int8)
+from spirit.model.quantize import PackedWeight, int4_fits, quantize_int4, quantize_int8
 
 BITS = (4, 8)
 # The int kernels' activation dtype, unless the hardware probe says another is faster here:
@@ -51,12 +50,8 @@ class QuantizationError(ValueError):
 class QuantizedLinear:
     """A weight-only quantized copy of an `nn.Linear`: [..., in] -> [..., out]."""
 
-    bits: int
-    weight: torch.Tensor  # int8 [out, in], or int4 packed by torch [out, in // 2] uint8
-    scales: torch.Tensor  # int8: [out]; int4: [in // group, out, 2] (scale, zero)
-    group_size: int  # int4 only
+    weight: PackedWeight
     bias: torch.Tensor | None
-    out_features: int
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, activation: torch.dtype = DEFAULT_ACTIVATION) -> "QuantizedLinear":
@@ -66,36 +61,44 @@ class QuantizedLinear:
         if bits not in BITS:
             raise QuantizationError(f"draft bits must be one of {BITS}, got {bits}")
         if bits == 4 and int4_fits(out_features, in_features, device=weight.device.type):
-            packed, scales = quantize_int4(weight, INT4_GROUP)
-            return cls(4, packed, scales.to(activation), INT4_GROUP, bias, out_features)
+            return cls(quantize_int4(weight, activation), bias)
         if weight.device.type != "cpu":
             raise QuantizationError(f"a {out_features}x{in_features} weight has no {bits}-bit draft kernel on "
                                     f"{weight.device.type} (int8 runs on CPU only); use --draft-bits 0")
-        q, scales = quantize_int8(weight)
-        return cls(8, q, scales.to(activation), 0, bias, out_features)
+        return cls(quantize_int8(weight, activation), bias)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.weight.fmt == "int8" else 4
 
     @property
     def activation(self) -> torch.dtype:
-        return self.scales.dtype
+        return self.weight.activation
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(self.activation)
-        if self.bits == 8:
-            y = int8_matmul(rows, self.weight, self.scales)
-        else:
-            y = int4_matmul(rows, self.weight, self.group_size, self.scales)
-        y = y.to(x.dtype)
+        y = self.weight.matmul(x.reshape(-1, x.shape[-1])).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
+        return self.weight.nbytes
 
     def tensors(self) -> dict:
-        return dict(bits=self.bits, weight=self.weight, scales=self.scales, group_size=self.group_size,
-                    bias=self.bias, out_features=self.out_features)
+        return {"weight": self.weight.tensors(), "bias": self.bias}
+
+    @classmethod
+    def from_tensors(cls, state: dict) -> "QuantizedLinear":
+        weight = PackedWeight.from_tensors(state["weight"])
+        if not weight.usable_here():
+            raise QuantizationError("kept quantized MLPs were packed for a kernel that does not run here")
+        return cls(weight, state["bias"])
+
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ class QuantizedMLPs:
             raise QuantizationError(f"{path} holds other quantized MLPs")
         mlps = []
         for layer, parts in zip(layers, state["layers"]):
-            gate, up, down = (QuantizedLinear(**parts[name]) for name in ("gate", "up", "down"))
+            gate, up, down = (QuantizedLinear.from_tensors(parts[name]) for name in ("gate", "up", "down"))
             if down.out_features != layer.mlp.down_proj.out_features:
                 raise QuantizationError(f"{path} was quantized from another model")
             if down.activation != activation:

@@ -106,7 +106,7 @@ def _distinct_linears(model: "SkippableModel") -> list[nn.Module]:
 
 def _described(linear: nn.Module) -> str:
     if isinstance(linear, PackedLinear):
-        return f"{linear.format} ({str(linear.activation).removeprefix('torch.')} activations)"
+        return f"{linear.format} ({str(linear.activation).removeprefix('torch.')} activations, {linear.kernel} kernel)"
     return str(linear.weight.dtype).removeprefix("torch.")
 
 
@@ -118,7 +118,7 @@ def _format(linear: nn.Module) -> str:
     """What decides the kernel path besides the shape: the dtype, or the packed format and
     the dtype of the activations it runs in."""
     if isinstance(linear, PackedLinear):
-        return f"{linear.format}-{str(linear.activation).removeprefix('torch.')}"
+        return f"{linear.format}-{str(linear.activation).removeprefix('torch.')}-{linear.kernel}"
     return str(linear.weight.dtype)
 
 
@@ -201,7 +201,7 @@ def _layer_max_rows(linear: nn.Linear, min_rows: int) -> tuple[int, str]:
 def _io_dtype_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
     """The dtype and device of the activations a linear layer takes in the model."""
     if isinstance(linear, PackedLinear):
-        return linear.activation, linear.packed.device
+        return linear.activation, linear.device
     return linear.weight.dtype, linear.weight.device
 
 

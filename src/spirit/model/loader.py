@@ -172,9 +172,12 @@ def weights_digest(folder: Path, *parts: str) -> str | None:
 
 
 def _packed_cache(folder: Path, fmt: str, activation: torch.dtype, device: torch.device) -> Path | None:
-    """Where a packing of this model's weights is kept (format, activation dtype and device
-    decide the packed layout)."""
-    digest = weights_digest(folder, fmt, str(activation), device.type)
+    """Where a packing of this model's weights is kept (format, activation dtype, device and
+    kernel decide the packed layout)."""
+    from spirit.model import qgemm
+
+    kernel = "spirit-kernel" if device.type == "cpu" and qgemm.available() else "torch-kernel"
+    digest = weights_digest(folder, fmt, str(activation), device.type, kernel)
     return None if digest is None else cache_root() / "lowbit" / f"{folder.name}-{fmt}-{digest}.pt"
 
 

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from spirit.model.quantize import (INT4_GROUP, int4_fits, int4_matmul, int8_matmul, pack_int4, quantize_int4,
-                                   quantize_int8)
+from spirit.model.quantize import PackedWeight, int4_fits, pack_int4, quantize_int4, quantize_int8
 
 if TYPE_CHECKING:
     from spirit.model.gguf_blocks import GGUFLinear, Int4Groups
@@ -44,18 +43,16 @@ KEEP_AFTER_S = 1.0  # packings that took longer than this are kept on disk
 
 class PackedLinear(nn.Module):
     """A weight-only int8 / int4 copy of an nn.Linear: [..., in] -> [..., out] in the input's
-    dtype, computed by the kernel in `activation` (the dtype the kernel is fast with)."""
+    dtype, computed by the packed weight's kernel (model/quantize.PackedWeight)."""
 
-    def __init__(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int) -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.format, self.in_features, self.out_features = fmt, in_features, out_features
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
+        self.weight_packed = weight
+        self.format, self.in_features, self.out_features = weight.fmt, weight.in_features, weight.out_features
         self.register_buffer("bias", bias)
         # The float weight this was packed from, kept for the lm_head only: the reduced draft
-        # head gathers rows of it, and torch's CPU int4 layout interleaves rows in blocks, so
-        # rows of the packed weight cannot be gathered. Not a buffer: never saved.
+        # head gathers rows of it (torch's CPU int4 layout interleaves rows in blocks, so rows
+        # of a packed weight cannot always be gathered). Not a buffer: never saved.
         self.row_source: torch.Tensor | None = None
         self.file_codes = False  # packed from a GGUF file's own 4-bit codes (not re-quantized)
 
@@ -66,52 +63,52 @@ class PackedLinear(nn.Module):
         if fmt == "int4" and not int4_fits(out_features, in_features, device=weight.device.type):
             fmt = "int8"  # the int4 kernel cannot take this shape
         if fmt == "int4":
-            packed, scales = quantize_int4(weight, INT4_GROUP)
+            packed = quantize_int4(weight, activation)
         elif fmt == "int8":
             if weight.device.type != "cpu":
                 raise ValueError(f"int8 weights run on the CPU only (torch has no {weight.device.type} kernel)")
-            packed, scales = quantize_int8(weight)
+            packed = quantize_int8(weight, activation)
         else:
             raise ValueError(f"unknown packed format {fmt!r}; choose one of {', '.join(PACKED_FORMATS)}")
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(fmt, packed, scales.to(activation), bias, in_features, out_features)
+        return cls(packed, bias)
 
     @classmethod
     def from_groups(cls, groups: "Int4Groups", bias: torch.Tensor | None, activation: torch.dtype) -> "PackedLinear":
         """The exact int4 groups read from a GGUF file's 4-bit blocks (model/gguf_blocks.py)."""
-        out_features, in_features = groups.codes.shape
-        packed, scales = pack_int4(groups.codes, groups.scale, groups.zero)
-        bias = None if bias is None else bias.detach().clone()
-        module = cls("int4", packed, scales.to(activation), bias, in_features, out_features)
+        packed = pack_int4(groups.codes, groups.scale, groups.zero, activation)
+        module = cls(packed, None if bias is None else bias.detach().clone())
         module.file_codes = True
         return module
 
     @property
     def activation(self) -> torch.dtype:
-        return self.scales.dtype
+        return self.weight_packed.activation
+
+    @property
+    def kernel(self) -> str:
+        return self.weight_packed.kernel
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight_packed.codes.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.activation)
-        if self.format == "int4":
-            y = int4_matmul(rows, self.packed, INT4_GROUP, self.scales)
-        else:
-            y = int8_matmul(rows, self.packed, self.scales)
-        y = y.to(x.dtype)
+        y = self.weight_packed.matmul(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] this module multiplies by, in float32 (tests and quality checks)."""
-        eye = torch.eye(self.in_features, dtype=self.activation, device=self.packed.device)
-        bias, self.bias = self.bias, None
-        try:
-            return self.forward(eye).float().T.contiguous()
-        finally:
-            self.bias = bias
+        """The weight [out, in] this module multiplies by, in float32 (tests and quality
+        checks): the product with the identity, so it is what the kernel computes (an identity
+        row quantizes exactly to int8)."""
+        eye = torch.eye(self.in_features, dtype=self.activation, device=self.device)
+        return self.weight_packed.matmul(eye).float().T.contiguous()
 
     def extra_repr(self) -> str:
-        return f"{self.format}, in_features={self.in_features}, out_features={self.out_features}"
+        return (f"{self.format} ({self.kernel} kernel), in_features={self.in_features}, "
+                f"out_features={self.out_features}")
 
 
 def packable_linears(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -183,8 +180,9 @@ def pack_model(causal_lm: nn.Module, fmt: str, activation: torch.dtype = torch.b
     seconds = time.perf_counter() - started
     if kept is None and cache is not None and seconds >= KEEP_AFTER_S:
         _save(cache, packed)
-    after = sum(m.packed.numel() * m.packed.element_size() + m.scales.numel() * m.scales.element_size() for m in packed)
+    after = sum(m.weight_packed.nbytes for m in packed)
     return {"format": fmt, "linears": len(packed), "formats": sorted({m.format for m in packed}),
+            "kernels": sorted({m.kernel for m in packed}),
             "file_codes": sum(m.file_codes for m in packed),
             "bytes_before": before, "bytes_after": after, "seconds": round(seconds, 2), "from_cache": kept is not None}
 
@@ -193,9 +191,7 @@ def _save(path: Path, modules: list[PackedLinear]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # a reader never sees half a file
-        torch.save([{"format": m.format, "packed": m.packed, "scales": m.scales, "bias": m.bias,
-                     "in_features": m.in_features, "out_features": m.out_features, "file_codes": m.file_codes}
-                    for m in modules], tmp)
+        torch.save([{**m.weight_packed.tensors(), "bias": m.bias, "file_codes": m.file_codes} for m in modules], tmp)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs packing again
@@ -207,13 +203,12 @@ def _load(path: Path, targets: list[tuple[nn.Module, str, nn.Linear]], activatio
     try:
         device = targets[0][2].weight.device if targets else torch.device("cpu")
         state = torch.load(path, weights_only=True, map_location=device)
-        modules = [PackedLinear(s["format"], s["packed"], s["scales"], s["bias"], s["in_features"], s["out_features"])
-                   for s in state]
+        modules = [PackedLinear(PackedWeight.from_tensors(s), s["bias"]) for s in state]
         for module, s in zip(modules, state):
             module.file_codes = bool(s.get("file_codes", False))
     except Exception:
         return None
     shapes_match = len(modules) == len(targets) and all(
         (m.out_features, m.in_features) == tuple(linear.weight.shape) and m.activation == activation
-        for m, (_, _, linear) in zip(modules, targets))
+        and m.weight_packed.usable_here() for m, (_, _, linear) in zip(modules, targets))
     return modules if shapes_match else None

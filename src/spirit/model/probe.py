@@ -32,16 +32,16 @@ import torch.nn.functional as F
 
 from spirit.machine import FLOAT_FORMATS, LOWBIT_FORMATS, FormatCosts, PassCosts, last_level_cache_bytes
 from spirit.model.bundled import cache_root
-from spirit.model.quantize import INT4_GROUP, int4_fits, int4_matmul, int8_matmul, quantize_int4, quantize_int8
+from spirit.model.quantize import PackedWeight, int4_fits, quantize_int4, quantize_int8
 
 ROWS = (1, 2, 4, 8, 16)
 FORMATS = FLOAT_FORMATS + LOWBIT_FORMATS
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "SPIRIT_KERNEL")
 MIN_WORKING_SET = 64 * 2**20  # bytes of weights cycled through per timed pass, at least ...
 MAX_WORKING_SET = 1536 * 2**20  # ... and at most (a VM may report a huge shared L3)
 MIN_TIME_S = 0.05  # each pass size is timed for at least this long ...
 MIN_PASSES = 2  # ... and at least this many passes (the minimum is kept)
-PROBE_VERSION = 1  # bump when what is measured changes, so kept results are not reused
+PROBE_VERSION = 2  # bump when what is measured changes, so kept results are not reused
 
 
 def machine_key() -> str:
@@ -50,7 +50,10 @@ def machine_key() -> str:
     text = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
     env = [f"{name}={os.environ.get(name, '')}" for name in KERNEL_ENV]
-    return "|".join([*lines, torch.__version__, str(torch.get_num_threads()), *env])
+    from spirit.model import qgemm
+
+    lowbit_kernel = f"lowbit-kernel={qgemm.status().isa or 'torch'}"
+    return "|".join([*lines, torch.__version__, str(torch.get_num_threads()), *env, lowbit_kernel])
 
 
 def machine_label() -> str:
@@ -201,30 +204,31 @@ def _time_part(weights: list[torch.Tensor], fmt: str, activation: str, rows: tup
 
 @dataclass(frozen=True)
 class _Linear:
-    """One weight in one format, callable on {in_features: activations}."""
+    """One weight in one format, callable on {in_features: activations}: a float weight, or a
+    packed one (`packed`) run by the kernel low-bit targets and drafts use."""
 
     fmt: str
-    weight: torch.Tensor
-    scales: torch.Tensor | None
+    weight: torch.Tensor | None
+    packed: PackedWeight | None
     in_features: int
 
     def __call__(self, xs: dict[int, torch.Tensor]) -> torch.Tensor:
         x = xs[self.in_features]
-        if self.fmt == "int8":
-            return int8_matmul(x, self.weight, self.scales)
-        if self.fmt == "int4":
-            return int4_matmul(x, self.weight, INT4_GROUP, self.scales)
+        if self.packed is not None:
+            return self.packed.matmul(x)
         return F.linear(x, self.weight)
 
     def copy(self) -> "_Linear":
         """The same weight at another address, so that passes read memory, not cache."""
-        scales = None if self.scales is None else self.scales.clone()
-        return _Linear(self.fmt, self.weight.clone(), scales, self.in_features)
+        if self.packed is not None:
+            return _Linear(self.fmt, None, self.packed.copy(), self.in_features)
+        return _Linear(self.fmt, self.weight.clone(), None, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        n = self.weight.numel() * self.weight.element_size()
-        return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())
+        if self.packed is not None:
+            return self.packed.nbytes
+        return self.weight.numel() * self.weight.element_size()
 
 
 def _kernel(weight: torch.Tensor, fmt: str, activation: str, packed: dict) -> tuple[_Linear, int]:
@@ -233,11 +237,10 @@ def _kernel(weight: torch.Tensor, fmt: str, activation: str, packed: dict) -> tu
     if fmt in LOWBIT_FORMATS:
         if fmt == "int4" and not int4_fits(out_features, in_features):
             fmt = "int8"  # as quantized drafts fall back
-        key = (fmt, id(weight))
+        key = (fmt, activation, id(weight))
         if key not in packed:
-            packed[key] = quantize_int4(weight, INT4_GROUP) if fmt == "int4" else quantize_int8(weight)
-        q, scales = packed[key]
-        linear = _Linear(fmt, q, scales.to(dtype), in_features)
+            packed[key] = quantize_int4(weight, dtype) if fmt == "int4" else quantize_int8(weight, dtype)
+        linear = _Linear(fmt, None, packed[key], in_features)
     else:
         linear = _Linear(fmt, weight.to(dtype).contiguous(), None, in_features)
     return linear, linear.nbytes

@@ -1,0 +1,259 @@
+// Weight-only 4-bit and 8-bit matrix products for decoding on CPUs: y = x W^T (+ bias).
+//
+// Why our own kernel: a decoding step reads every weight once, and torch's int4 CPU op turns
+// each 4-bit weight into a float before multiplying, which makes it compute-bound on two cores
+// (about half of llama.cpp's speed on the same GGUF file). Here, as in llama.cpp, the
+// activations are quantized to int8 per block of 32 and the products are integer dot
+// products (AVX-512 VNNI where the CPU has it, AVX2 otherwise), so a step costs about what
+// reading the packed bytes costs.
+//
+// Row-invariant by construction: row m of the output is computed by the same operations in
+// the same order whatever the number of rows, so verifying k draft tokens in one pass gives
+// bit for bit what k single-token passes give (model/exactness.py still measures it).
+//
+// Formats, per output row n and block b of 32 inputs:
+//   int4: codes uint8 [N, K/2], blocks in pairs: byte j of a pair holds input j of its first
+//         block in the low nibble and input j of its second block in the high one (a lone
+//         last block: inputs j and j+16); w = code * scale[n, b] + offset[n, b]  (float16)
+//   int8: codes int8 [N, K] in [-127, 127], w = code * scale[n, b]  (offset: empty)
+// Activations: q = round(x / d), d = max|x| / 127 per block of 32, so sum(w x) over a block is
+// scale * d * sum(code * q) + offset * d * sum(q).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsPerChunk = 4;  // activation rows that share one read of a weight row
+
+struct QuantizedRows {
+  at::Tensor codes;   // int8 [M, K]
+  at::Tensor scale;   // float [M, K/32]: d
+  at::Tensor sum;     // float [M, K/32]: d * sum of the block's codes
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.codes.data_ptr<int8_t>();
+  float* dp = q.scale.data_ptr<float>();
+  float* sp = q.sum.data_ptr<float>();
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = xp + (i / nb) * K + (i % nb) * kBlock;
+      int8_t* qb = qp + (i / nb) * K + (i % nb) * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f;
+      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      int total = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
+        qb[j] = static_cast<int8_t>(v);
+        total += v;
+      }
+      dp[i] = d;
+      sp[i] = d * static_cast<float>(total);
+    }
+  });
+  return q;
+}
+
+// sum over 32 byte pairs of unsigned(u) * signed(s), as 8 int32 lanes (no saturation for
+// |u| <= 127, which both formats guarantee)
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// sum_b offset[b] * xsum[b], 8 blocks at a time then the rest, in one fixed order
+__attribute__((noinline)) float offset_dot(const uint16_t* offset, const float* xsum, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + b)));
+    acc = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + b), acc);
+  }
+  float total = horizontal_sum(acc);
+  for (; b < nb; ++b) total = std::fma(half_to_float(offset[b]), xsum[b], total);
+  return total;
+}
+
+// Block b's 32 codes as unsigned bytes (int4) or their magnitudes (int8), and, for int8, the
+// raw signed codes. int4 codes come in pairs of blocks: byte j of a pair holds input j of the
+// first block (low nibble) and input j of the second (high nibble), so one 32-byte load and
+// two masks give both blocks.
+struct WeightBlocks {
+  __m256i first, second;
+};
+
+inline WeightBlocks int4_pair(const uint8_t* w) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+}
+
+// One weight row against R activation rows. Each row keeps two accumulators (even and odd
+// blocks) so that consecutive blocks do not wait on one another; the per-block factor
+// (weight scale times activation scale) is formed 8 blocks at a time and broadcast by lane.
+template <int R, bool Int4>
+inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
+                           const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t nb,
+                           float* out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t row_bytes_per_block = Int4 ? 16 : 32;
+  auto block_product = [&](int r, int64_t b, __m256i wu, __m256i wraw, __m256 factor) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
+    if constexpr (!Int4) xv = _mm256_sign_epi8(xv, wraw);  // the weight's sign moves to x
+    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+    acc[r][b & 1] = _mm256_fmadd_ps(factor, p, acc[r][b & 1]);
+  };
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + b)));
+    __m256 factors[R];
+    for (int r = 0; r < R; ++r) factors[r] = _mm256_mul_ps(ws, _mm256_loadu_ps(xd + r * nb + b));
+    for (int i = 0; i < 8; i += 2) {
+      __m256i u0, u1, raw0, raw1;
+      if constexpr (Int4) {
+        const WeightBlocks pair = int4_pair(w + (b + i) * 16);
+        u0 = raw0 = pair.first;
+        u1 = raw1 = pair.second;
+      } else {
+        raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + i) * 32));
+        raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + i + 1) * 32));
+        u0 = _mm256_abs_epi8(raw0);
+        u1 = _mm256_abs_epi8(raw1);
+      }
+      const __m256i lane0 = _mm256_set1_epi32(i), lane1 = _mm256_set1_epi32(i + 1);
+      for (int r = 0; r < R; ++r) {
+        block_product(r, b + i, u0, raw0, _mm256_permutevar8x32_ps(factors[r], lane0));
+        block_product(r, b + i + 1, u1, raw1, _mm256_permutevar8x32_ps(factors[r], lane1));
+      }
+    }
+  }
+  for (; b < nb; ++b) {  // the last blocks (fewer than 8), one factor at a time
+    __m256i u, raw;
+    if constexpr (Int4) {
+      // pairs continue while two blocks remain; a lone last block holds 16 bytes, low
+      // nibbles inputs 0..15 and high nibbles inputs 16..31
+      if (b + 1 < nb && ((b & 1) == 0)) {
+        const WeightBlocks pair = int4_pair(w + b * 16);
+        const float ws0 = half_to_float(scale[b]), ws1 = half_to_float(scale[b + 1]);
+        for (int r = 0; r < R; ++r) {
+          block_product(r, b, pair.first, pair.first, _mm256_set1_ps(ws0 * xd[r * nb + b]));
+          block_product(r, b + 1, pair.second, pair.second, _mm256_set1_ps(ws1 * xd[r * nb + b + 1]));
+        }
+        ++b;
+        continue;
+      }
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * row_bytes_per_block));
+      u = raw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    } else {
+      raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * row_bytes_per_block));
+      u = _mm256_abs_epi8(raw);
+    }
+    const float ws = half_to_float(scale[b]);
+    for (int r = 0; r < R; ++r) block_product(r, b, u, raw, _mm256_set1_ps(ws * xd[r * nb + b]));
+  }
+  for (int r = 0; r < R; ++r) {
+    float total = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (Int4) total += offset_dot(offset, xs + r * nb, nb);
+    out[r] = total;
+  }
+}
+
+template <bool Int4>
+void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+          const float* bias, at::Tensor& y) {
+  const int64_t M = xq.codes.size(0), K = xq.codes.size(1), N = codes.size(0), nb = K / kBlock;
+  const int64_t row_bytes = Int4 ? K / 2 : K;
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* op = Int4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
+  const int8_t* xp = xq.codes.data_ptr<int8_t>();
+  const float* dp = xq.scale.data_ptr<float>();
+  const float* xs = xq.sum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float out[kRowsPerChunk];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* w = wp + n * row_bytes;
+      const uint16_t* s = sp + n * nb;
+      const uint16_t* o = Int4 ? op + n * nb : nullptr;
+      for (int64_t m = 0; m < M; m += kRowsPerChunk) {
+        const int64_t rows = std::min(kRowsPerChunk, M - m);
+        const int8_t* x = xp + m * K;
+        const float* d = dp + m * nb;
+        const float* sums = xs + m * nb;
+        switch (rows) {
+          case 4: row_times_rows<4, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+          case 3: row_times_rows<3, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+          case 2: row_times_rows<2, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+          default: row_times_rows<1, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = bias ? out[r] + bias[n] : out[r];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: float32 or bfloat16 [M, K]; codes/scale/offset as above; bias: float32 [N] or empty.
+// Returns [M, N] in x's dtype.
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                 const at::Tensor& bias, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "qgemm: x must be [rows, K] with K a multiple of 32");
+  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (bits == 4 ? K / 2 : K), "qgemm: codes shape");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
+              "qgemm: scale must be float16 [N, K/32]");
+  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
+              "qgemm: offset must be float16 [N, K/32]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "qgemm: bias must be float32 [N]");
+  const QuantizedRows xq = quantize_rows(x.to(at::kFloat).contiguous());
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  if (bits == 4) gemm<true>(xq, codes, scale, offset, bias_ptr, y);
+  else gemm<false>(xq, codes, scale, offset, bias_ptr, y);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// The instruction set this build uses for the integer dot products (reported to users).
+std::string isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+  return "avx-vnni";
+#else
+  return "avx2";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm", &qgemm, "weight-only int4/int8 x int8-quantized activations, row-invariant");
+  m.def("isa", &isa, "instruction set of the dot products");
+}

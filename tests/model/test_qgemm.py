@@ -1,0 +1,94 @@
+"""spirit's own int4 / int8 kernel (model/qgemm.py, kernels/qgemm.cpp): products against a
+float64 reference of what it defines (the packed weight times int8-quantized activations),
+row-invariance for any number of rows, and the layouts' odd cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spirit.model import qgemm
+from spirit.model.quantize import INT4_GROUP, int4_groups, pack_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason=qgemm.status().reason)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: x rounded to int8 per block of 32, as float64."""
+    rows, inputs = x.shape
+    blocks = x.double().reshape(rows, inputs // INT4_GROUP, INT4_GROUP)
+    d = (blocks.abs().amax(dim=-1, keepdim=True).float() / 127.0).double()
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
+    return (q * d).reshape(rows, inputs)
+
+
+def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float64 [out, in] of the packed int4 weight (scale and offset rounded to float16)."""
+    out_features, in_features = codes.shape
+    offset = (zero.float() - 8.0 * scale.float()).half().double()
+    q = codes.double().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    return (q * scale.half().double()[..., None] + offset[..., None]).reshape(out_features, in_features)
+
+
+@settings(max_examples=25, deadline=None)
+@given(blocks=st.integers(1, 11), out_features=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_int4_product_matches_its_definition_and_is_row_invariant(blocks, out_features, rows, seed):
+    torch.manual_seed(seed)
+    in_features = blocks * INT4_GROUP  # odd block counts exercise the lone last block
+    weight = torch.randn(out_features, in_features) * 0.05
+    codes, scale, zero = int4_groups(weight)
+    packed = pack_int4(codes, scale, zero, torch.float32)
+    assert packed.kernel == "spirit"
+    x = torch.randn(rows, in_features)
+    y = packed.matmul(x)
+    reference = quantized_activations(x) @ int4_weight(codes, scale, zero).T
+    assert torch.allclose(y.double(), reference, rtol=1e-4, atol=1e-4)
+    one_at_a_time = torch.cat([packed.matmul(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(one_at_a_time, y)  # bit for bit, whatever the number of rows
+
+
+@settings(max_examples=15, deadline=None)
+@given(blocks=st.integers(1, 7), out_features=st.integers(1, 24), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_int8_product_matches_its_definition_and_is_row_invariant(blocks, out_features, rows, seed):
+    torch.manual_seed(seed)
+    in_features = blocks * INT4_GROUP
+    weight = torch.randn(out_features, in_features) * 0.05
+    packed = quantize_int8(weight, torch.float32)
+    assert packed.kernel == "spirit" and packed.codes.dtype == torch.int8
+    assert int(packed.codes.abs().max()) <= 127  # the sign trick needs |code| <= 127
+    dequantized = (packed.codes.double().reshape(out_features, blocks, INT4_GROUP)
+                   * packed.scales.double()[..., None]).reshape(out_features, in_features)
+    x = torch.randn(rows, in_features)
+    y = packed.matmul(x)
+    assert torch.allclose(y.double(), quantized_activations(x) @ dequantized.T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(rows)]), y)
+    # within half a step of the block's scale (the float16-rounded scale can clip a hair more)
+    assert (dequantized - weight.double()).abs().max() <= 0.6 * weight.abs().max() / 127
+
+
+def test_bf16_activations_give_bf16_and_zero_rows_give_zero():
+    codes, scale, zero = int4_groups(torch.randn(16, 64))
+    packed = pack_int4(codes, scale, zero, torch.bfloat16)
+    y = packed.matmul(torch.zeros(2, 64, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.zeros(2, 16, dtype=torch.bfloat16))
+
+
+def test_scales_that_float16_cannot_hold_fall_back_to_torchs_kernel():
+    codes, scale, zero = int4_groups(torch.randn(16, 64) * 1e6)  # scales beyond float16's range
+    assert pack_int4(codes, scale, zero).kernel == "torch"
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    codes, scale, zero = int4_groups(torch.randn(16, 64))
+    packed = pack_int4(codes, scale, zero, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        qgemm.qgemm(torch.randn(2, 40), packed.codes, packed.scales, packed.offsets, None, 4)
+    with pytest.raises(RuntimeError, match="codes shape"):
+        qgemm.qgemm(torch.randn(2, 96), packed.codes, packed.scales, packed.offsets, None, 4)
+
+
+def test_the_status_names_the_instruction_set():
+    status = qgemm.status()
+    assert status.available and status.isa in ("avx512-vnni", "avx-vnni", "avx2") and status.isa in status.reason
