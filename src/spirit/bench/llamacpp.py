@@ -184,8 +184,12 @@ class LlamaCppMethod:
         n_ctx = context_size(needed, lm.engine.max_context)
         self._drafts = DraftLog(PromptLookup(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=LOOKUP_TOKENS)) if self.lookup else None
         threads = torch.get_num_threads()  # spirit's thread count, so the engines get the same cores
+        # With a draft model the binding keeps every position's logits, but it sizes that array
+        # by its `logits_all` argument: left False, it holds n_batch (512) rows and a prompt
+        # longer than that fails ("could not broadcast ... into shape (0,)", seen on a
+        # 664-token prompt). Asking for logits_all sizes it by n_ctx, which is what it writes.
         self._llama = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                            n_gpu_layers=0, draft_model=self._drafts, verbose=False)
+                            n_gpu_layers=0, draft_model=self._drafts, logits_all=self.lookup, verbose=False)
         self._n_ctx = n_ctx
         return self._llama
 

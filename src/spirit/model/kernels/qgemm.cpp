@@ -37,17 +37,22 @@ struct QuantizedRows {
   at::Tensor sum;     // float [M, K/32]: d * sum of the block's codes
 };
 
+// Reads float32 or bfloat16 rows in place: a decoding step's activations are one row, and a
+// separate conversion would cost a tensor and a copy per layer.
+template <typename T>
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat)};
-  const float* xp = x.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
   int8_t* qp = q.codes.data_ptr<int8_t>();
   float* dp = q.scale.data_ptr<float>();
   float* sp = q.sum.data_ptr<float>();
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* xb = xp + (i / nb) * K + (i % nb) * kBlock;
+      const T* source = xp + (i / nb) * K + (i % nb) * kBlock;
       int8_t* qb = qp + (i / nb) * K + (i % nb) * kBlock;
+      float xb[kBlock];
+      for (int j = 0; j < kBlock; ++j) xb[j] = static_cast<float>(source[j]);
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
       const float d = amax / 127.0f;
@@ -184,7 +189,7 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   }
 }
 
-template <bool Int4>
+template <bool Int4, typename T>
 void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
           const float* bias, at::Tensor& y) {
   const int64_t M = xq.codes.size(0), K = xq.codes.size(1), N = codes.size(0), nb = K / kBlock;
@@ -195,7 +200,7 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   const int8_t* xp = xq.codes.data_ptr<int8_t>();
   const float* dp = xq.scale.data_ptr<float>();
   const float* xs = xq.sum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[kRowsPerChunk];
     for (int64_t n = begin; n < end; ++n) {
@@ -213,7 +218,7 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
           case 2: row_times_rows<2, Int4>(w, s, o, x, d, sums, K, nb, out); break;
           default: row_times_rows<1, Int4>(w, s, o, x, d, sums, K, nb, out); break;
         }
-        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = bias ? out[r] + bias[n] : out[r];
+        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
       }
     }
   });
@@ -222,7 +227,7 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 }  // namespace
 
 // x: float32 or bfloat16 [M, K]; codes/scale/offset as above; bias: float32 [N] or empty.
-// Returns [M, N] in x's dtype.
+// Returns [M, N] in x's dtype (bfloat16 rounded to nearest even from the float32 sums).
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                  const at::Tensor& bias, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "qgemm: x must be [rows, K] with K a multiple of 32");
@@ -234,12 +239,20 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
               "qgemm: offset must be float16 [N, K/32]");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "qgemm: bias must be float32 [N]");
-  const QuantizedRows xq = quantize_rows(x.to(at::kFloat).contiguous());
-  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemm: x must be float32 or bfloat16");
+  const at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  if (bits == 4) gemm<true>(xq, codes, scale, offset, bias_ptr, y);
-  else gemm<false>(xq, codes, scale, offset, bias_ptr, y);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  if (x.scalar_type() == at::kFloat) {
+    const QuantizedRows xq = quantize_rows<float>(rows);
+    if (bits == 4) gemm<true, float>(xq, codes, scale, offset, bias_ptr, y);
+    else gemm<false, float>(xq, codes, scale, offset, bias_ptr, y);
+  } else {
+    const QuantizedRows xq = quantize_rows<at::BFloat16>(rows);
+    if (bits == 4) gemm<true, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
+    else gemm<false, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
+  }
+  return y;
 }
 
 // The instruction set this build uses for the integer dot products (reported to users).
