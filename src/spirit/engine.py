@@ -34,6 +34,7 @@ from spirit.draft_model.learners import SHARED_LEARNER, DraftLearners
 from spirit.draft_model.quantized import DEFAULT_ACTIVATION, QuantizedMLPs
 from spirit.machine import DRAFT_BITS_FORMAT, PassCosts
 from spirit.model.adapter import Segment, SkippableModel
+from spirit.model import qgemm
 from spirit.model.lowbit import PackedLinear
 from spirit.plan import Plan
 from spirit.policies.base import ModelInfo, Policy, RequestInfo, VanillaPolicy
@@ -110,6 +111,8 @@ class Engine:
                 suffix = "" if activation == DEFAULT_ACTIVATION else f"-{str(activation).removeprefix('torch.')}"
                 if self.model.device.type != "cpu":  # each device's kernels pack int4 their own way
                     suffix += f"-{self.model.device.type}"
+                elif qgemm.available():  # spirit's kernel packs its own way too
+                    suffix += "-qgemm"
                 path = self.quantized_cache.with_name(f"{self.quantized_cache.name}-int{bits}{suffix}.pt")
             self._quantized[bits] = QuantizedMLPs.cached(self.model.layers, bits, path, activation)
         return self._quantized[bits]

@@ -34,10 +34,11 @@ def test_quantized_linear_is_close_to_the_linear(dtype, bits, bound):
 
 
 def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape():
-    linear = nn.Linear(256, 20, bias=False)  # 20 outputs: not a multiple of 16
+    # 48 inputs: not whole int4 groups of 32 (torch's op also needs outputs % 16: 20 is not)
+    linear = nn.Linear(48, 20, bias=False)
     q = QuantizedLinear.from_linear(linear, 4)
     assert q.bits == 8
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 48)
     assert relative_error(q(x), linear(x)) < 0.02
 
 
@@ -110,7 +111,7 @@ def test_an_engine_keeps_its_quantized_mlps_in_the_cache_it_is_given(tmp_path, m
     monkeypatch.setattr(quantized, "KEEP_AFTER_S", 0.0)
     eng = Engine(SkippableModel(tiny_model("llama", num_layers=2)), quantized_cache=tmp_path / "tiny")
     assert eng.quantized_mlps(0) is None
-    assert eng.quantized_mlps(8).bits == 8 and (tmp_path / "tiny-int8.pt").exists()
+    assert eng.quantized_mlps(8).bits == 8 and len(list(tmp_path.glob("tiny-int8*.pt"))) == 1
     assert eng.quantized_mlps(8) is eng.quantized_mlps(8)
 
 
