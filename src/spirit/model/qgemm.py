@@ -35,7 +35,7 @@ class KernelStatus:
     """Whether spirit's kernel runs here, which instruction set it uses, and why not if not."""
 
     available: bool
-    isa: str  # "avx512-vnni", "avx-vnni", "avx2"; "" when not available
+    isa: str  # "avx512-vnni" (512 bits wide), "avx512-vnni-256", "avx-vnni", "avx2"; "" when not available
     reason: str
 
 
