@@ -7,15 +7,32 @@ warm-up), on the first turn of the first question of each Spec-Bench category.
 
 Prints tok/s per variant and the ratio to bf16 plain decoding, and whether spirit's tokens
 equal plain decoding of the packed model (they must: it is the reference for that target).
+With --torch-kernel, also plain decoding of the same weights packed for torch's own int4/int8
+ops instead of spirit's kernel (model/qgemm.py), to compare the two kernels end to end.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import spirit
 from spirit.bench.questions import load_questions, select
+
+
+@contextmanager
+def torch_kernel():
+    """Packings made inside use torch's ops (a comparison only: spirit uses its own kernel
+    wherever it builds)."""
+    from spirit.model import qgemm, quantize
+
+    real = quantize._spirit_kernel, qgemm.available
+    quantize._spirit_kernel, qgemm.available = (lambda device: False), (lambda: False)
+    try:
+        yield
+    finally:
+        quantize._spirit_kernel, qgemm.available = real
 
 
 def main() -> int:
@@ -25,6 +42,7 @@ def main() -> int:
     p.add_argument("--questions", required=True)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=13)
+    p.add_argument("--torch-kernel", action="store_true", help="also plain decoding on torch's int4/int8 ops")
     args = p.parse_args()
 
     questions = select(load_questions(args.questions), per_category=1)[: args.prompts]
@@ -36,13 +54,17 @@ def main() -> int:
     print(f"exactness, {args.weights} target: {low.exactness.reason}")
     runs = {"bf16 vanilla": (bf16, "vanilla"), f"{args.weights} vanilla": (low, "vanilla"),
             f"{args.weights} spirit": (low, "spirit")}
+    if args.torch_kernel:
+        with torch_kernel():
+            on_torch = spirit.load(args.model, weights=args.weights)
+        runs[f"{args.weights} vanilla, torch's op"] = (on_torch, "vanilla")
     for lm, method in runs.values():  # warm-up: kernels, quantized drafts, policies' calibration
         lm.generate(prompts[0], chat=True, max_new_tokens=8, method=method)
     tokens = {name: 0 for name in runs}
     seconds = {name: 0.0 for name in runs}
     same = 0
     for k, prompt in enumerate(prompts):
-        names = list(runs)[k % 3:] + list(runs)[: k % 3]  # rotate who goes first
+        names = list(runs)[k % len(runs):] + list(runs)[: k % len(runs)]  # rotate who goes first
         outputs = {}
         for name in names:
             lm, method = runs[name]
@@ -54,7 +76,7 @@ def main() -> int:
     base = tokens["bf16 vanilla"] / seconds["bf16 vanilla"]
     for name in runs:
         tps = tokens[name] / seconds[name]
-        print(f"{name:16s} {tps:6.2f} tok/s  {tps / base:5.2f}x bf16 plain")
+        print(f"{name:30s} {tps:6.2f} tok/s  {tps / base:5.2f}x bf16 plain")
     print(f"spirit on {args.weights} identical to {args.weights} vanilla on {same}/{len(prompts)} prompts")
     return 0
 
