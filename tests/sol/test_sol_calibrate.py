@@ -163,7 +163,12 @@ def test_calibration_under_load_is_flagged(two_cores):
 
     spec = calibrate(quick=True, dtypes=(torch.float32,), run=busy, nbytes=SMALL)
     assert spec.under_load and "warning" in spec.summary() and spec.measured["under_load"] == 1.0
-    assert spec.memory_bandwidth == pytest.approx(SMALL / 0.05)
+    # every kernel "took" 0.05 s: the best is the one that reads the most, spirit's int8 kernel
+    # where it builds (its codes are the buffer, plus a float16 scale per 32 of them)
+    from spirit.model import qgemm
+
+    read = SMALL * (1 + 2 / 32) if qgemm.available() else SMALL
+    assert spec.memory_bandwidth == pytest.approx(read / 0.05)
 
 
 def test_calibrate_runs_for_real_on_a_small_buffer():
