@@ -60,11 +60,12 @@ def _compile_flags() -> list[str]:
 
 
 def _build_directory(flags: list[str]) -> Path:
-    model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
-    key = hashlib.sha256("|".join([SOURCE.read_text(), torch.__version__, sys.version, platform.machine(), model,
+    from spirit.model.bundled import cache_root
+
+    # -march=native code is this CPU's: the flags stand for it (the model name adds nothing)
+    key = hashlib.sha256("|".join([SOURCE.read_text(), torch.__version__, sys.version, platform.machine(),
                                    " ".join(sorted(_cpu_flags())), " ".join(flags)]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPIRIT_CACHE", Path.home() / ".cache" / "spirit"))
-    return root / "kernels" / f"qgemm-{key}"
+    return cache_root() / "kernels" / f"qgemm-{key}"
 
 
 @functools.cache
