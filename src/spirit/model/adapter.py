@@ -24,6 +24,7 @@ from torch import nn
 from spirit.model import attention
 from spirit.model.attention import RowKeys
 from spirit.model.exactness import Exactness, check_exactness
+from spirit.model.fused import PassKeys, fused_decoder
 from spirit.model.kv_cache import KVCache, PackedCaches
 from spirit.skipset import SkipSet
 
@@ -129,6 +130,8 @@ class SkippableModel:
         # registry; without the adapter's `rows` keyword it is SDPA, so prefill, drafts and
         # transformers' own `generate` run as before.
         causal_lm.set_attn_implementation(attention.register())
+        # a low-bit target's layers as a few calls into spirit's kernels (model/fused.py), where it can
+        self.fused, self.fused_reason = fused_decoder(causal_lm, self.dtype)
         self.exactness = exactness if exactness is not None else check_exactness(self)
 
     @property
@@ -234,6 +237,8 @@ class SkippableModel:
         and the extra keywords (row-wise keys) of the layers with that sliding window."""
         hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
         rotary = self._rotary(hidden, positions[None])
+        if self.fused is not None:
+            return self._run_fused(hidden[0], rotary, cache, skip, attention, mlps)[None]
         by_window: dict[int | None, tuple[torch.Tensor | None, dict[str, RowKeys]]] = {}
         sandwich = self.layout is Layout.SANDWICH
         for i, layer in enumerate(self.layers):
@@ -258,6 +263,33 @@ class SkippableModel:
                     hidden = hidden + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(hidden)))
                 else:
                     hidden = hidden + mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def _run_fused(
+        self,
+        hidden: torch.Tensor,  # [q, hidden]
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: KVCache | PackedCaches,
+        skip: SkipSet,
+        attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
+        mlps: Sequence[nn.Module] | None,
+    ) -> torch.Tensor:
+        """`_run` on the fused layers: the same sublayers, masks and cache slots."""
+        fused = self.fused
+        writes = cache.row_writes(hidden.shape[0])
+        keys: dict[int | None, PassKeys] = {}
+        for i in range(len(self.layers)):
+            if i not in skip.attn:
+                window = self._windows[i]
+                if window not in keys:
+                    mask, row_keys = attention(window)
+                    rows = row_keys.get("rows")
+                    keys[window] = PassKeys.rowwise(rows, writes) if rows is not None else PassKeys(mask=mask, end=writes.end)
+                cos, sin = rotary[self.layer_types[i]]
+                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window])
+            if i not in skip.mlp:
+                normed = fused.post_norm(i, hidden)
+                hidden = hidden + (fused.mlp(i, normed) if mlps is None else mlps[i](normed[None])[0])
         return self.norm(hidden)
 
     @torch.inference_mode()

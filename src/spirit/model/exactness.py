@@ -90,7 +90,8 @@ def _check(model: "SkippableModel") -> Exactness:
     capped = f", token trees capped at {max_rows} nodes" if max_rows < PASS_ROWS[-1] else ""
     return Exactness(
         True, min_rows, max_rows,
-        f"exact: {dtype} linear layers row-invariant {how} up to {max_rows} rows{capped}; row-wise attention",
+        f"exact: {dtype} linear layers row-invariant {how} up to {max_rows} rows{capped}; row-wise attention"
+        + (" (spirit's fused layers)" if getattr(model, "fused", None) is not None else ""),
     )
 
 

@@ -17,6 +17,8 @@ It implements the one method of transformers' `Cache` interface that attention m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -58,6 +60,11 @@ class KVCache:
         v_buf[:, :, self._start : end] = value_states
         return k_buf[:, :, :end], v_buf[:, :, :end]
 
+    def row_writes(self, rows: int) -> "RowWrites":
+        """Where the pass declared by `begin` writes its `rows` rows: slots start, start + 1, ..."""
+        return RowWrites((self,), torch.zeros(rows, dtype=torch.int64),
+                         torch.arange(self._start, self._start + rows), self._start + rows)
+
     def keep_path(self, start: int, slots: list[int]) -> None:
         """After a token tree's verification: move the KV of the accepted nodes, which sit in
         slots `slots` (ascending, each >= start), to slots start, start+1, ... in every
@@ -87,6 +94,14 @@ class PackedCaches:
             cache.begin(start, rows)
         self.parts = parts
 
+    def row_writes(self, rows: int) -> "RowWrites":
+        caches = tuple(cache for cache, _, _ in self.parts)
+        cache_of_row = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, (_, _, n) in enumerate(self.parts)])
+        slot_of_row = torch.cat([torch.arange(start, start + n) for _, start, n in self.parts])
+        if cache_of_row.numel() != rows:
+            raise ValueError(f"the packed caches hold {cache_of_row.numel()} rows; the pass has {rows}")
+        return RowWrites(caches, cache_of_row, slot_of_row, None)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,3 +111,14 @@ class PackedCaches:
             cache.values[layer_idx][:, :, start : start + rows] = value_states[:, :, offset : offset + rows]
             offset += rows
         return key_states, value_states  # unused: the rows name the caches they read
+
+
+@dataclass(frozen=True)
+class RowWrites:
+    """Where each row of a pass writes its keys and values (model/fused.py's kernels write them
+    directly instead of through `update`)."""
+
+    caches: tuple[KVCache, ...]
+    cache_of_row: torch.Tensor  # [q] int64, index into caches
+    slot_of_row: torch.Tensor  # [q] int64
+    end: int | None  # one cache: the pass attends over slots [0, end); packed caches: None

@@ -26,7 +26,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "kernels" / "qgemm.cpp"
+KERNELS = Path(__file__).parent / "kernels"
+# built as one extension: the packed products, the per-row layer pieces (model/fused.py), bindings
+SOURCES = (KERNELS / "qgemm.cpp", KERNELS / "layer_ops.cpp", KERNELS / "bindings.cpp")
 _NEEDED_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -63,7 +65,7 @@ def _build_directory(flags: list[str]) -> Path:
     from spirit.model.bundled import cache_root
 
     # -march=native code is this CPU's: the flags stand for it (the model name adds nothing)
-    key = hashlib.sha256("|".join([SOURCE.read_text(), torch.__version__, sys.version, platform.machine(),
+    key = hashlib.sha256("|".join([*(source.read_text() for source in SOURCES), torch.__version__, sys.version, platform.machine(),
                                    " ".join(sorted(_cpu_flags())), " ".join(flags)]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"qgemm-{key}"
 
@@ -83,7 +85,7 @@ def _extension() -> tuple[ModuleType | None, str]:
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
-        module = load(name=f"spirit_qgemm_{directory.name.split('-')[1]}", sources=[str(SOURCE)],
+        module = load(name=f"spirit_qgemm_{directory.name.split('-')[1]}", sources=[str(source) for source in SOURCES],
                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, no headers, a read-only cache: torch's ops still work
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -100,15 +102,20 @@ def available() -> bool:
     return _extension()[0] is not None
 
 
+def extension() -> ModuleType:
+    """The built extension (all of spirit's CPU kernels); raises where it is not available."""
+    module = _extension()[0]
+    if module is None:
+        raise RuntimeError(_extension()[1])
+    return module
+
+
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
           bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """[rows, in] (float32 or bf16) x packed [out, in] -> [rows, out] in x's dtype; see
     kernels/qgemm.cpp for the formats."""
-    module = _extension()[0]
-    if module is None:
-        raise RuntimeError(_extension()[1])
     empty = _EMPTY
-    return module.qgemm(x, codes, scale, empty if offset is None else offset, empty if bias is None else bias, bits)
+    return extension().qgemm(x, codes, scale, empty if offset is None else offset, empty if bias is None else bias, bits)
 
 
 _EMPTY = torch.empty(0)

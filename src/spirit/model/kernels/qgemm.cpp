@@ -305,8 +305,3 @@ std::string isa() {
   return "avx2";
 #endif
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qgemm", &qgemm, "weight-only int4/int8 x int8-quantized activations, row-invariant");
-  m.def("isa", &isa, "instruction set of the dot products");
-}

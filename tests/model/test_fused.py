@@ -1,0 +1,243 @@
+"""Fused decoder layers (model/fused.py, kernels/layer_ops.cpp): each piece against a float64
+reference, bit-for-bit row-invariance for any number of rows, the fused model against
+transformers' modules on the same packed weights, and which models run fused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spirit.engine import Engine
+from spirit.model import qgemm
+from spirit.model.adapter import SkippableModel, Segment
+from spirit.model.attention import RowKeys
+from spirit.model.lowbit import PackedLinear, pack_model
+from spirit.policies.base import ModelInfo, StaticPolicy
+from spirit.skipset import DraftConfig, SkipSet
+from spirit.testing import ARCHITECTURES, decode_all, tiny_model
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason=qgemm.status().reason)
+FUSABLE = tuple(arch for arch in ARCHITECTURES if not arch.startswith("gemma"))
+
+
+def ops():
+    return qgemm.extension()
+
+
+def packed(arch: str, dtype: torch.dtype = torch.bfloat16, layers: int = 3):
+    model = tiny_model(arch, num_layers=layers, dtype=dtype)
+    pack_model(model, "int4", dtype)
+    return model
+
+
+# -- the pieces -------------------------------------------------------------------------------
+
+def reference_attention(q, keys, values, rows, scaling):
+    """float64: q [M, H, d]; keys/values per cache [1, KV, cap, d]; rows: (cache, slot list)."""
+    M, H, d = q.shape
+    out = torch.zeros(M, H * d, dtype=torch.float64)
+    for m, (c, slots) in enumerate(rows):
+        if not slots:
+            continue
+        kv = keys[c].shape[1]
+        for h in range(H):
+            k = keys[c][0, h // (H // kv), slots].double()
+            v = values[c][0, h // (H // kv), slots].double()
+            p = torch.softmax(k @ q[m, h].double() * scaling, dim=0)
+            out[m, h * d:(h + 1) * d] = p @ v
+    return out
+
+
+def csr(rows):
+    offsets = torch.tensor([0] + [len(s) for _, s in rows]).cumsum(0)
+    slots = torch.tensor([x for _, s in rows for x in s], dtype=torch.int64)
+    return torch.tensor([c for c, _ in rows], dtype=torch.int64), offsets, slots
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 9), groups=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([8, 16, 64, 136]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rowwise_attention_matches_the_reference_and_each_row_is_its_own(seed, rows, groups, head_dim, dtype):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    kv_heads, capacity = 2, 40
+    caches = 2
+    keys = [torch.randn(1, kv_heads, capacity, head_dim, generator=g).to(dtype) for _ in range(caches)]
+    values = [torch.randn(1, kv_heads, capacity, head_dim, generator=g).to(dtype) for _ in range(caches)]
+    q = torch.randn(rows, kv_heads * groups, head_dim, generator=g).to(dtype)
+    # chains, trees (any ascending slots) and padding rows (no slot)
+    spec = [(rng.randrange(caches), sorted(rng.sample(range(capacity), rng.randrange(0, capacity))))
+            for _ in range(rows)]
+    scaling = head_dim ** -0.5
+    out = ops().rowwise_attention(q, keys, values, *csr(spec), scaling, 0.0)
+    want = reference_attention(q, keys, values, spec, scaling)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
+    for m in range(rows):  # one row alone: the same bits
+        alone = ops().rowwise_attention(q[m:m + 1].contiguous(), keys, values, *csr(spec[m:m + 1]), scaling, 0.0)
+        assert torch.equal(alone, out[m:m + 1])
+        if not spec[m][1]:
+            assert not out[m].any()  # padding: zeros
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 12), width=st.sampled_from([8, 24, 64, 200]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rms_norm_and_silu_mul_match_the_reference_row_by_row(seed, rows, width, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    w = torch.randn(width, generator=g).to(dtype)
+    y = ops().rms_norm(x, w, 1e-6)
+    xd = x.double()
+    want = w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.double(), want, atol=tol, rtol=tol)
+    gate_up = torch.randn(rows, 2 * width, generator=g).to(dtype)
+    act = ops().silu_mul(gate_up)
+    gd, ud = gate_up.double().chunk(2, dim=-1)
+    assert torch.allclose(act.double(), torch.nn.functional.silu(gd) * ud, atol=tol, rtol=tol)
+    for m in range(rows):
+        assert torch.equal(ops().rms_norm(x[m:m + 1].contiguous(), w, 1e-6), y[m:m + 1])
+        assert torch.equal(ops().silu_mul(gate_up[m:m + 1].contiguous()), act[m:m + 1])
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_write_rotates_as_transformers_does_and_writes_the_cache(with_norm):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, d = 3, 4, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+    angles = torch.randn(rows, d // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    norm = torch.rand(d) + 0.5 if with_norm else torch.empty(0)
+    keys, values = torch.zeros(1, kv_heads, 10, d), torch.zeros(1, kv_heads, 10, d)
+    slots = torch.tensor([7, 2, 5])
+    q = ops().rope_write(qkv, cos, sin, heads, kv_heads, d, norm, norm, 1e-6, [keys], [values],
+                         torch.zeros(rows, dtype=torch.int64), slots)
+    q_in = qkv[:, : heads * d].view(rows, heads, d)
+    k_in = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+    if with_norm:
+        q_in = norm * q_in / torch.sqrt(q_in.pow(2).mean(-1, keepdim=True) + 1e-6)
+        k_in = norm * k_in / torch.sqrt(k_in.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want_q, want_k = apply_rotary_pos_emb(q_in, k_in, cos, sin)  # [rows, heads, d]
+    assert torch.allclose(q, want_q, atol=1e-5)
+    assert torch.allclose(keys[0][:, slots], want_k.transpose(0, 1), atol=1e-5)
+    assert torch.equal(values[0][:, slots], qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d).transpose(0, 1))
+    assert not keys[0][:, [0, 1, 3, 4, 6, 8, 9]].any()  # nothing else written
+
+
+def test_bad_arguments_are_refused_with_a_message():
+    keys, values = [torch.zeros(1, 2, 8, 16)], [torch.zeros(1, 2, 8, 16)]
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops().rowwise_attention(q, keys, values, torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1]),
+                                torch.tensor([8]), 0.25, 0.0)
+    with pytest.raises(RuntimeError, match="cache index out of range"):
+        ops().rowwise_attention(q, keys, values, torch.ones(1, dtype=torch.int64), torch.tensor([0, 1]),
+                                torch.tensor([3]), 0.25, 0.0)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        ops().rope_write(torch.zeros(1, 5 * 16), torch.zeros(1, 16), torch.zeros(1, 16), 4, 2, 16, torch.empty(0),
+                         torch.empty(0), 1e-6, keys, values, torch.zeros(1, dtype=torch.int64), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops().rms_norm(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(8, dtype=torch.float16), 1e-6)
+
+
+# -- the model --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", FUSABLE)
+def test_fused_layers_compute_what_the_modules_compute(arch):
+    """float32, the same packed weights: fused and transformers' modules agree to float32
+    rounding (the kernels' int8 activation blocks may round one input differently), in
+    prefill, in exact one-token steps and in a draft pass with skipped sublayers."""
+    model = SkippableModel(packed(arch, torch.float32))
+    assert model.fused is not None, model.fused_reason
+    fused = model.fused
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def run(use_fused: bool):
+        model.fused = fused if use_fused else None
+        cache = model.new_cache(32)
+        prefill = model.forward(ids, 0, cache, SkipSet())
+        step = model.forward(ids[:, :1], 12, cache, SkipSet(), exact=True)
+        draft = model.forward(ids[:, 1:3], 13, cache, SkipSet.parse("attn:1;mlp:0"))
+        return torch.cat([prefill, step, draft])
+
+    try:
+        with_fused, with_modules = run(True), run(False)
+    finally:
+        model.fused = fused
+    assert torch.allclose(with_fused, with_modules, rtol=5e-3, atol=5e-3 * with_modules.abs().max().item())
+
+
+def test_only_standard_layers_on_spirit_kernels_run_fused(monkeypatch):
+    assert SkippableModel(tiny_model("llama", num_layers=2)).fused is None  # float weights
+    gemma = SkippableModel(packed("gemma3"))
+    assert gemma.fused is None and "Gemma" in gemma.fused_reason
+    from spirit.model import quantize
+
+    monkeypatch.setattr(quantize, "_spirit_kernel", lambda device: False)  # torch's int4 op
+    on_torch = SkippableModel(packed("llama"))
+    assert on_torch.fused is None and "spirit's kernel" in on_torch.fused_reason
+
+
+def test_fused_projections_store_each_weight_once():
+    model = packed("qwen2")
+    SkippableModel(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q, k, v = (m.weight_packed.codes for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert mlp.gate_proj.weight_packed.codes.untyped_storage().data_ptr() == \
+        mlp.up_proj.weight_packed.codes.untyped_storage().data_ptr()
+    x = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16)
+    assert isinstance(attn.k_proj, PackedLinear) and attn.k_proj(x).shape == (2, attn.k_proj.out_features)
+
+
+def test_mixed_formats_run_apart_and_concatenate():
+    model = tiny_model("llama", num_layers=2, dtype=torch.bfloat16)
+    pack_model(model, "int4", torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    attn.v_proj = PackedLinear.from_linear(torch.nn.Linear(attn.v_proj.in_features, attn.v_proj.out_features,
+                                                           bias=False).to(torch.bfloat16), "int8", torch.bfloat16)
+    fused = SkippableModel(model).fused
+    assert fused is not None and fused.layers[0].qkv.weight is None
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    assert torch.equal(fused.layers[0].qkv(x), want)
+
+
+@pytest.mark.parametrize("arch", FUSABLE)
+def test_packed_passes_on_fused_layers_equal_solo_passes(arch):
+    """Continuous batching on a fused low-bit target: two requests' rows in one pass get the
+    bits each gets alone."""
+    model = SkippableModel(packed(arch))
+    assert model.fused is not None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 200, (n,), generator=g) for n in (7, 11)]
+    caches = [model.new_cache(24) for _ in prompts]
+    for prompt, cache in zip(prompts, caches):
+        model.forward(prompt[None], 0, cache, SkipSet())
+    steps = [torch.tensor([5, 9]), torch.tensor([3])]
+    alone = [model.forward(s[None], len(p), c, SkipSet(), exact=True)
+             for s, p, c in zip(steps, prompts, caches)]
+    together = model.forward_packed([Segment(s, len(p), c) for s, p, c in zip(steps, prompts, caches)], exact=True)
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1000))
+def test_speculation_on_fused_layers_gives_plain_decoding(seed):
+    engine = Engine(SkippableModel(packed("qwen3", layers=4)))
+    assert engine.model.fused is not None
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 30))]
+    plain, _ = decode_all(engine, prompt, 20)
+    policy = StaticPolicy(ModelInfo(4), DraftConfig(max_draft=5, branches=2, branch_below=0.99),
+                          skip=SkipSet.parse("attn:2;mlp:1"))
+    out, stats = decode_all(engine, prompt, 20, policy)
+    assert out == plain and stats.counters.draft_rounds > 0
