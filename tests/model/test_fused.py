@@ -241,3 +241,54 @@ def test_speculation_on_fused_layers_gives_plain_decoding(seed):
                           skip=SkipSet.parse("attn:2;mlp:1"))
     out, stats = decode_all(engine, prompt, 20, policy)
     assert out == plain and stats.counters.draft_rounds > 0
+
+
+# -- dense prefill ----------------------------------------------------------------------------
+
+def test_the_unpacked_weight_is_the_one_the_kernel_multiplies_by():
+    from spirit.model.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(0)
+    for pack in (quantize_int4, quantize_int8):
+        for in_features in (96, 128):  # 3 blocks: a lone last block; 4: pairs only
+            w = pack(torch.randn(24, in_features) * 0.05, torch.bfloat16)
+            dense = torch.empty(24, in_features, dtype=torch.bfloat16)
+            qgemm.dequantize(w.codes, w.scales, w.offsets, dense, 8 if w.fmt == "int8" else 4)
+            # the kernel's product with the identity is its weight (an identity row quantizes
+            # exactly), up to float32 rounding before the one bf16 rounding
+            through_kernel = w.matmul(torch.eye(in_features, dtype=torch.bfloat16)).T.float()
+            assert torch.allclose(dense.float(), through_kernel, rtol=8e-3, atol=1e-7)
+
+
+def test_dense_prefill_is_measured_and_reported():
+    model = SkippableModel(packed("llama"))
+    assert "prefill" in model.fused_reason and "x the integer kernel" in model.fused_reason
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_dense_prefill_keeps_speculation_exact(arch):
+    """Prefill chunks run densely (forced from 4 rows here); verification passes of up to 8
+    rows stay on the integer kernel, so speculation still gives plain decoding's tokens."""
+    engine = Engine(SkippableModel(packed(arch, layers=4)))
+    fused = engine.model.fused
+    fused.run_dense_from(4)
+    calls = []
+    real = fused.dense_pays
+    fused.dense_pays = lambda rows: calls.append(rows) or real(rows)
+    rng = random.Random(7)
+    prompt = [rng.randrange(256) for _ in range(30)]
+    plain, _ = decode_all(engine, prompt, 20)
+    policy = StaticPolicy(ModelInfo(4), DraftConfig(max_draft=6), skip=SkipSet.parse("mlp:1,2"))
+    out, stats = decode_all(engine, prompt, 20, policy)
+    assert out == plain and stats.counters.draft_rounds > 0
+    assert 30 in calls  # the prefill asked, and ran densely
+
+
+def test_dense_products_agree_with_the_kernel_to_bf16_rounding():
+    model = SkippableModel(packed("llama", torch.bfloat16))
+    fused = model.fused
+    fused.run_dense_from(2)
+    x = torch.randn(16, model.config.hidden_size).to(torch.bfloat16)
+    layer = fused.layers[0]
+    kernel, dense = layer.gate_up(x), layer.gate_up(x, fused._scratch)
+    assert torch.allclose(dense.float(), kernel.float(), rtol=0.05, atol=0.05 * kernel.abs().max().item())

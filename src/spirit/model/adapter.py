@@ -222,7 +222,7 @@ class SkippableModel:
                 return None, {"rows": RowKeys.from_mask(self._allowed(start, positions, window, visible))}
             return self._mask(start, positions, window, visible), {}
 
-        return self._run(input_ids, positions, cache, skip, attention, mlps)
+        return self._run(input_ids, positions, cache, skip, attention, mlps, rowwise=exact)
 
     def _run(
         self,
@@ -232,13 +232,15 @@ class SkippableModel:
         skip: SkipSet,
         attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
         mlps: Sequence[nn.Module] | None = None,
+        rowwise: bool = False,
     ) -> torch.Tensor:
         """The layers over [1, q] tokens at `positions`; `attention(window)` gives the mask
-        and the extra keywords (row-wise keys) of the layers with that sliding window."""
+        and the extra keywords (row-wise keys) of the layers with that sliding window.
+        `rowwise`: an exact pass (its rows must get the bits of one-token steps)."""
         hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
         rotary = self._rotary(hidden, positions[None])
         if self.fused is not None:
-            return self._run_fused(hidden[0], rotary, cache, skip, attention, mlps)[None]
+            return self._run_fused(hidden[0], rotary, cache, skip, attention, mlps, rowwise)[None]
         by_window: dict[int | None, tuple[torch.Tensor | None, dict[str, RowKeys]]] = {}
         sandwich = self.layout is Layout.SANDWICH
         for i, layer in enumerate(self.layers):
@@ -273,10 +275,13 @@ class SkippableModel:
         skip: SkipSet,
         attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
         mlps: Sequence[nn.Module] | None,
+        rowwise: bool,
     ) -> torch.Tensor:
-        """`_run` on the fused layers: the same sublayers, masks and cache slots."""
+        """`_run` on the fused layers: the same sublayers, masks and cache slots. A pass that
+        need not be exact and has many rows (prefill) may run its products densely."""
         fused = self.fused
         writes = cache.row_writes(hidden.shape[0])
+        dense = not rowwise and fused.dense_pays(hidden.shape[0])
         keys: dict[int | None, PassKeys] = {}
         for i in range(len(self.layers)):
             if i not in skip.attn:
@@ -286,10 +291,10 @@ class SkippableModel:
                     rows = row_keys.get("rows")
                     keys[window] = PassKeys.rowwise(rows, writes) if rows is not None else PassKeys(mask=mask, end=writes.end)
                 cos, sin = rotary[self.layer_types[i]]
-                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window])
+                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window], dense)
             if i not in skip.mlp:
                 normed = fused.post_norm(i, hidden)
-                hidden = hidden + (fused.mlp(i, normed) if mlps is None else mlps[i](normed[None])[0])
+                hidden = hidden + (fused.mlp(i, normed, dense) if mlps is None else mlps[i](normed[None])[0])
         return self.norm(hidden)
 
     @torch.inference_mode()
@@ -316,7 +321,7 @@ class SkippableModel:
                     for segment, pos in zip(segments, positions)]
             return None, {"rows": sum(keys[1:], keys[0])}
 
-        hidden = self._run(input_ids, torch.cat(positions), caches, SkipSet(), attention)[0]
+        hidden = self._run(input_ids, torch.cat(positions), caches, SkipSet(), attention, rowwise=True)[0]
         return list(self.logits(hidden).split(rows))
 
     def _pad(

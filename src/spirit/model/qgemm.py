@@ -118,4 +118,11 @@ def qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: tor
     return extension().qgemm(x, codes, scale, empty if offset is None else offset, empty if bias is None else bias, bits)
 
 
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, out: torch.Tensor,
+               bits: int) -> torch.Tensor:
+    """The packed weight unpacked into `out` (bf16 [out, in], kept by the caller); returns it."""
+    extension().dequantize(codes, scale, _EMPTY if offset is None else offset, out, bits)
+    return out
+
+
 _EMPTY = torch.empty(0)

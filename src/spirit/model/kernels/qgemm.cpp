@@ -305,3 +305,51 @@ std::string isa() {
   return "avx2";
 #endif
 }
+
+// The packed weight as a dense [N, K] bfloat16 matrix (prefill: a many-row product runs faster
+// as a bf16 matrix product on CPUs with AVX-512 BF16 than as integer dot products; model/fused.py
+// measures which). w = code * scale + offset (int4) or code * scale (int8), in float32, rounded once.
+// `out`: bfloat16 [N, K], written in place (a buffer kept by the caller: a fresh 50 MB tensor
+// per call costs more in page faults than the conversion itself).
+void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset, at::Tensor& out, int64_t bits) {
+  const int64_t in_features = out.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == codes.size(0),
+              "dequantize: out must be contiguous bfloat16 [N, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "dequantize: bits must be 4 or 8");
+  TORCH_CHECK(in_features % kBlock == 0 && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == (bits == 4 ? in_features / 2 : in_features), "dequantize: codes shape");
+  const int64_t N = codes.size(0), K = in_features, nb = K / kBlock;
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * nb, "dequantize: scale must be float16 [N, K/32]");
+  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * nb),
+              "dequantize: offset must be float16 [N, K/32]");
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* op = bits == 4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
+  at::BFloat16* wp = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      at::BFloat16* row = wp + n * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float s = half_to_float(sp[n * nb + b]);
+        if (bits == 8) {
+          const int8_t* c = reinterpret_cast<const int8_t*>(cp) + n * K + b * kBlock;
+          for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<at::BFloat16>(c[j] * s);
+          continue;
+        }
+        const float o = half_to_float(op[n * nb + b]);
+        const uint8_t* bytes = cp + n * (K / 2);
+        for (int64_t j = 0; j < kBlock; ++j) {
+          int code;
+          if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
+            const uint8_t byte = bytes[(b & ~int64_t{1}) * 16 + j];
+            code = (b & 1) ? (byte >> 4) : (byte & 15);
+          } else {  // a lone last block: byte j holds inputs j and j + 16
+            const uint8_t byte = bytes[b * 16 + (j & 15)];
+            code = j < 16 ? (byte & 15) : (byte >> 4);
+          }
+          row[b * kBlock + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(code), s, o));
+        }
+      }
+    }
+  });
+}
