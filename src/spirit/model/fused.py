@@ -174,8 +174,7 @@ class FusedDecoder:
     def measure_dense(self, activation: torch.dtype, rows: int = DENSE_ROWS, trials: int = 3) -> None:
         """Time the largest packed product at `rows` rows both ways (interleaved, best of
         `trials`) and run prefill densely only if that is at least 10% faster here."""
-        largest = max((p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                      key=lambda p: p.size)
+        largest = self._largest()
         if activation != torch.bfloat16 or largest.size == 0:
             self.dense_reason = "integer kernel (dense products need bf16 activations)"
             return
@@ -197,9 +196,12 @@ class FusedDecoder:
         """Run passes that need not be exact densely from `rows` rows up (kept buffer: the
         largest packed product's weights in bf16)."""
         self.dense_rows = rows
-        self._scratch = torch.empty(max(p.size for layer in self.layers
-                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                                    dtype=torch.bfloat16)
+        self._scratch = torch.empty(self._largest().size, dtype=torch.bfloat16)
+
+    def _largest(self) -> Projection:
+        """The projection with the most weights in one packed product (what the buffer must hold)."""
+        return max((p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                   key=lambda p: p.size)
 
     def dense_pays(self, rows: int) -> bool:
         return self.dense_rows is not None and rows >= self.dense_rows
