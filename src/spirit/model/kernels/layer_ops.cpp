@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -27,6 +28,18 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// float -> bf16 rounded to nearest even, as c10::BFloat16's conversion does (NaN stays a NaN)
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  // pack the low halves of the 32-bit lanes into 8 x 16 bits
+  const __m128i lo = _mm256_castsi256_si128(rounded), hi = _mm256_extracti128_si256(rounded, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+}
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -197,18 +210,48 @@ at::Tensor attention_impl(const at::Tensor& q, const CacheRows& caches, const at
   return out;
 }
 
-// SwiGLU's gate: [M, 2I] (gate, then up) -> silu(gate) * up, [M, I]
+// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial (about 1
+// ulp), 2^n from the exponent bits; x is clamped to [-87.3, 88.3], where e^x stays a normal float
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// SwiGLU's gate: [M, 2I] (gate, then up) -> silu(gate) * up, [M, I]; 8 at a time, the last
+// fewer than 8 through the same vector code (a row's values do not depend on M)
 template <typename T>
 at::Tensor silu_mul_impl(const at::Tensor& gate_up) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor out = at::empty({M, I}, gate_up.options());
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, M * I, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t m = k / I, i = k % I;
-      const float g = static_cast<float>(gp[m * 2 * I + i]), u = static_cast<float>(gp[m * 2 * I + I + i]);
-      op[k] = static_cast<T>(g / (1.0f + std::exp(-g)) * u);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* gate = gp + m * 2 * I;
+      const T* up = gate + I;
+      T* row = op + m * I;
+      const auto silu_mul8 = [&](__m256 g, __m256 u) {
+        return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))), u);
+      };
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) store8(row + i, silu_mul8(load8(gate + i), load8(up + i)));
+      if (i < I) {  // the last fewer than 8 through buffers
+        const int64_t n = I - i;
+        T g[8] = {}, u[8] = {}, y[8];
+        for (int64_t j = 0; j < n; ++j) g[j] = gate[i + j], u[j] = up[i + j];
+        store8(y, silu_mul8(load8(g), load8(u)));
+        for (int64_t j = 0; j < n; ++j) row[i + j] = y[j];
+      }
     }
   });
   return out;
