@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from spirit.model import qgemm
-from spirit.model.quantize import INT4_GROUP, int4_groups, pack_int4, quantize_int8
+from spirit.model.quantize import INT4_GROUP, PackedWeight, int4_groups, pack_int4, quantize_int8
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=qgemm.status().reason)
 
@@ -51,10 +51,13 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 @needs_kernel
 @settings(max_examples=25, deadline=None)
-@given(blocks=st.integers(1, 11), out_features=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+@given(blocks=st.integers(1, 40), out_features=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+@example(blocks=16, out_features=3, rows=5, seed=0)  # one group exactly
+@example(blocks=35, out_features=17, rows=9, seed=1)  # two groups, a pair and a lone block
 def test_int4_product_matches_its_definition_and_is_row_invariant(blocks, out_features, rows, seed):
     torch.manual_seed(seed)
-    in_features = blocks * INT4_GROUP  # odd block counts exercise the lone last block
+    # groups of 16 blocks, then pairs; odd block counts exercise the lone last block
+    in_features = blocks * INT4_GROUP
     weight = torch.randn(out_features, in_features) * 0.05
     codes, scale, zero = int4_groups(weight)
     packed = pack_int4(codes, scale, zero, torch.float32)
@@ -85,6 +88,28 @@ def test_int8_product_matches_its_definition_and_is_row_invariant(blocks, out_fe
     assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(rows)]), y)
     # within half a step of the block's scale (the float16-rounded scale can clip a hair more)
     assert (dequantized - weight.double()).abs().max() <= 0.6 * weight.abs().max() / 127
+
+
+@needs_kernel
+@pytest.mark.parametrize("blocks", [1, 2, 15, 16, 17, 33, 48])
+def test_int4_dequantize_unpacks_every_layout_region(blocks):
+    """Dense prefill reads the packed codes back through `dequantize`: groups of 16, pairs and a
+    lone last block must all come back as code * scale + offset."""
+    torch.manual_seed(blocks)
+    codes, scale, zero = int4_groups(torch.randn(5, blocks * INT4_GROUP))
+    packed = pack_int4(codes, scale, zero, torch.bfloat16)
+    dense = qgemm.dequantize(packed.codes, packed.scales, packed.offsets,
+                             torch.empty(5, blocks * INT4_GROUP, dtype=torch.bfloat16), 4)
+    assert torch.equal(dense, int4_weight(codes, scale, zero).float().to(torch.bfloat16))
+
+
+@needs_kernel
+def test_a_packing_kept_in_an_older_layout_is_refused():
+    codes, scale, zero = int4_groups(torch.randn(4, 64))
+    state = pack_int4(codes, scale, zero).tensors()
+    state.pop("layout")  # what a packing kept before the grouped layout holds
+    with pytest.raises(ValueError, match="layout"):
+        PackedWeight.from_tensors(state)
 
 
 @needs_kernel

@@ -26,6 +26,9 @@ import torch
 from spirit.model import qgemm
 
 INT4_GROUP = 32  # inputs per int4 scale: smaller groups are more accurate and cost the same here
+GROUP_BLOCKS = 16  # int4 blocks interleaved together in spirit's layout (kernels/qgemm.cpp)
+# names spirit's int4 layout in kept packings: one packed with another layout is packed again
+SPIRIT_INT4_LAYOUT = "groups-of-16"
 _INT4_INNER_K_TILES = 1  # packing parameter of the CPU kernel (any valid value works on CPU)
 _INT4_INNER_K_TILES_CUDA = 8  # tinygemm's tiling: in_features must be a multiple of 16 x this
 
@@ -61,7 +64,7 @@ def int4_fits(out_features: int, in_features: int, group: int = INT4_GROUP, devi
 class PackedWeight:
     """A weight [out, in] in a packed format, with the kernel that multiplies by it.
 
-    kernel "spirit" (model/qgemm.py): int4 codes nibble-packed in pairs of blocks, float16
+    kernel "spirit" (model/qgemm.py): int4 codes nibble-packed in groups of 16 blocks, float16
     `scales` and `offsets` [out, in // 32]; int8 codes [out, in], float16 `scales` per block.
     kernel "torch": torch's packed layouts; `scales` in the activation dtype the op needs.
     """
@@ -91,12 +94,19 @@ class PackedWeight:
 
     def tensors(self) -> dict:
         """What to save; `from_tensors` rebuilds it."""
-        return {"format": self.fmt, "kernel": self.kernel, "codes": self.codes, "scales": self.scales,
+        return {"format": self.fmt, "kernel": self.kernel, "layout": self._layout(), "codes": self.codes, "scales": self.scales,
                 "offsets": self.offsets, "activation": str(self.activation).removeprefix("torch."),
                 "out_features": self.out_features, "in_features": self.in_features}
 
+    def _layout(self) -> str:
+        return SPIRIT_INT4_LAYOUT if (self.fmt, self.kernel) == ("int4", "spirit") else ""
+
     @classmethod
     def from_tensors(cls, state: dict) -> "PackedWeight":
+        """Raises ValueError for a packing kept with another layout (the caller packs again)."""
+        expected = SPIRIT_INT4_LAYOUT if (state["format"], state["kernel"]) == ("int4", "spirit") else ""
+        if state.get("layout", "pairs" if expected else "") != expected:
+            raise ValueError(f"a kept packing in layout {state.get('layout', 'pairs')!r}, not {expected!r}")
         return cls(state["format"], state["kernel"], state["codes"], state["scales"], state["offsets"],
                    getattr(torch, state["activation"]), state["out_features"], state["in_features"])
 
@@ -153,14 +163,22 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """spirit's int4 layout: blocks of 32 in pairs, byte j = code j of the first block | code j
-    of the second << 4; a lone last block packs its inputs j and j + 16 in byte j."""
+    """spirit's int4 layout (kernels/qgemm.cpp, "Formats"): the first 16 * (blocks // 16) blocks
+    of 32 in groups of 16, byte 64c + 4l + j of a group = input 4c + j of block l | input 16 + 4c
+    + j << 4; the rest in pairs, byte j = code j of the first block | code j of the second << 4;
+    a lone last block packs its inputs j and j + 16 in byte j."""
     out_features, in_features = codes.shape
     blocks = in_features // INT4_GROUP
     q = codes.to(torch.uint8).reshape(out_features, blocks, INT4_GROUP)
-    paired = blocks - blocks % 2
-    pairs = q[:, :paired].reshape(out_features, paired // 2, 2, INT4_GROUP)
-    parts = [(pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(out_features, -1)]
+    grouped = blocks // GROUP_BLOCKS * GROUP_BLOCKS
+    # [out, group, block l, half, c, j] -> [out, group, c, l, j] per half
+    groups = q[:, :grouped].reshape(out_features, grouped // GROUP_BLOCKS, GROUP_BLOCKS, 2, 4, 4)
+    low, high = groups[:, :, :, 0].permute(0, 1, 3, 2, 4), groups[:, :, :, 1].permute(0, 1, 3, 2, 4)
+    parts = [(low | high << 4).reshape(out_features, -1)]
+    rest = q[:, grouped:]
+    paired = (blocks - grouped) - (blocks - grouped) % 2
+    pairs = rest[:, :paired].reshape(out_features, paired // 2, 2, INT4_GROUP)
+    parts.append((pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(out_features, -1))
     if blocks % 2:
         last = q[:, -1]
         parts.append(last[:, :16] | last[:, 16:] << 4)

@@ -12,9 +12,17 @@
 // bit for bit what k single-token passes give (model/exactness.py still measures it).
 //
 // Formats, per output row n and block b of 32 inputs:
-//   int4: codes uint8 [N, K/2], blocks in pairs: byte j of a pair holds input j of its first
-//         block in the low nibble and input j of its second block in the high one (a lone
-//         last block: inputs j and j+16); w = code * scale[n, b] + offset[n, b]  (float16)
+//   int4: codes uint8 [N, K/2]; w = code * scale[n, b] + offset[n, b]  (float16). The first
+//         16 * floor(K/512) blocks come in groups of 16 (256 bytes): byte 64c + 4l + j of a
+//         group holds input 4c + j of its block l in the low nibble and input 16 + 4c + j in
+//         the high one (c < 4, l < 16, j < 4). So the low nibbles of 64 bytes are 4 inputs of
+//         each of 16 blocks, and one VNNI dot product over them leaves block l's partial sum in
+//         lane l: 8 of them give the 16 blocks' integer sums, and the float work (scales,
+//         offsets) is one vector operation per 16 blocks instead of one per block. The blocks
+//         after the groups come in pairs: byte j of a pair holds input j of its first block in
+//         the low nibble and input j of its second block in the high one (a lone last block:
+//         inputs j and j+16). The activations' int8 codes take the same order (grouped_index).
+//         Numbers of this layout: kInt4Layout (model/quantize.py packs it).
 //   int8: codes int8 [N, K] in [-127, 127], w = code * scale[n, b]  (offset: empty)
 // Activations: q = round(x / d), d = max|x| / 127 per block of 32, so sum(w x) over a block is
 // scale * d * sum(code * q) + offset * d * sum(q).
@@ -35,6 +43,15 @@ constexpr int64_t kBlock = 32;
 #define SPIRIT_WIDE 1
 #endif
 constexpr int64_t kRowsPerChunk = 4;  // activation rows that share one read of a weight row
+constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see the formats)
+
+// Blocks of a row that are in interleaved groups (int4), and where an activation's input j of
+// block b goes in the grouped order.
+inline int64_t grouped_blocks(int64_t nb) { return nb / kGroup * kGroup; }
+inline int64_t grouped_index(int64_t b, int64_t j, int64_t grouped) {
+  if (b >= grouped) return b * kBlock + j;
+  return (b / kGroup) * kGroup * kBlock + (j % 16 / 4) * 64 + (j / 16) * 256 + (b % kGroup) * 4 + j % 4;
+}
 
 struct QuantizedRows {
   at::Tensor codes;   // int8 [M, K]
@@ -44,18 +61,21 @@ struct QuantizedRows {
 
 // Reads float32 or bfloat16 rows in place: a decoding step's activations are one row, and a
 // separate conversion would cost a tensor and a copy per layer.
+// `grouped`: the codes in int4's grouped order (grouped_index), for the int4 kernel.
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool grouped) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat)};
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.codes.data_ptr<int8_t>();
   float* dp = q.scale.data_ptr<float>();
   float* sp = q.sum.data_ptr<float>();
+  const int64_t in_groups = grouped ? grouped_blocks(nb) : 0;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* source = xp + (i / nb) * K + (i % nb) * kBlock;
-      int8_t* qb = qp + (i / nb) * K + (i % nb) * kBlock;
+      const int64_t b = i % nb;
+      const T* source = xp + (i / nb) * K + b * kBlock;
+      int8_t* row = qp + (i / nb) * K;
       float xb[kBlock];
       for (int j = 0; j < kBlock; ++j) xb[j] = static_cast<float>(source[j]);
       float amax = 0.0f;
@@ -65,7 +85,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
       int total = 0;
       for (int j = 0; j < kBlock; ++j) {
         const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
-        qb[j] = static_cast<int8_t>(v);
+        row[grouped_index(b, j, in_groups)] = static_cast<int8_t>(v);
         total += v;
       }
       dp[i] = d;
@@ -143,7 +163,68 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   __m512 wide[R][2];
   for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_ps();
 #endif
-  int64_t b = 0;
+  // int4's interleaved groups: 8 dot products leave 16 blocks' integer sums in 16 lanes, then
+  // acc += (weight scale * activation scale) * sum + offset * (activation scale * sum of codes),
+  // one lane per block. Integer sums are exact, so only these two roundings per block count.
+  const int64_t grouped = Int4 ? grouped_blocks(nb) : 0;
+  __m256 group_acc[R][2];
+  for (int r = 0; r < R; ++r) group_acc[r][0] = group_acc[r][1] = _mm256_setzero_ps();
+#ifdef SPIRIT_WIDE
+  __m512 group_wide[R];
+  for (int r = 0; r < R; ++r) group_wide[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < grouped; g += kGroup) {
+    const uint8_t* wg = w + g * 16;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i u[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + 64 * c);
+      u[c] = _mm512_and_si512(v, low);
+      u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g)));
+    const __m512 os = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + g)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xg = xq + r * K + g * kBlock;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_loadu_si512(xg));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], _mm512_loadu_si512(xg + 64));
+      for (int k = 2; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[k], _mm512_loadu_si512(xg + 64 * k));
+        s1 = _mm512_dpbusd_epi32(s1, u[k + 1], _mm512_loadu_si512(xg + 64 * (k + 1)));
+      }
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      group_wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xd + r * nb + g)), sums, group_wide[r]);
+      group_wide[r] = _mm512_fmadd_ps(os, _mm512_loadu_ps(xs + r * nb + g), group_wide[r]);
+    }
+  }
+#else
+  for (int64_t g = 0; g < grouped; g += kGroup) {
+    for (int h = 0; h < 2; ++h) {  // blocks 8h..8h+7 of the group: bytes 32h..32h+31 of each 64
+      const uint8_t* wg = w + g * 16 + 32 * h;
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      __m256i u[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * c));
+        u[c] = _mm256_and_si256(v, low);
+        u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g + 8 * h)));
+      const __m256 os = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + g + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xg = xq + r * K + g * kBlock + 32 * h;
+        __m256i s0 = dot_u8s8(u[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+        __m256i s1 = dot_u8s8(u[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64)));
+        for (int k = 2; k < 8; k += 2) {
+          s0 = _mm256_add_epi32(s0, dot_u8s8(u[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * k))));
+          s1 = _mm256_add_epi32(s1, dot_u8s8(u[k + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * (k + 1)))));
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        group_acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_loadu_ps(xd + r * nb + g + 8 * h)), sums, group_acc[r][h]);
+        group_acc[r][h] = _mm256_fmadd_ps(os, _mm256_loadu_ps(xs + r * nb + g + 8 * h), group_acc[r][h]);
+      }
+    }
+  }
+#endif
+  int64_t b = grouped;
   for (; b + 8 <= nb; b += 8) {
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + b)));
     __m256 factors[R];
@@ -221,8 +302,13 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
     sum = _mm256_add_ps(sum, _mm256_add_ps(_mm512_castps512_ps256(w2),
                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w2), 1))));
 #endif
+    sum = _mm256_add_ps(sum, _mm256_add_ps(group_acc[r][0], group_acc[r][1]));
+#ifdef SPIRIT_WIDE
+    sum = _mm256_add_ps(sum, _mm256_add_ps(_mm512_castps512_ps256(group_wide[r]),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(group_wide[r]), 1))));
+#endif
     float total = horizontal_sum(sum);
-    if constexpr (Int4) total += offset_dot(offset, xs + r * nb, nb);
+    if constexpr (Int4) total += offset_dot(offset + grouped, xs + r * nb + grouped, nb - grouped);
     out[r] = total;
   }
 }
@@ -282,11 +368,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    const QuantizedRows xq = quantize_rows<float>(rows);
+    const QuantizedRows xq = quantize_rows<float>(rows, bits == 4);
     if (bits == 4) gemm<true, float>(xq, codes, scale, offset, bias_ptr, y);
     else gemm<false, float>(xq, codes, scale, offset, bias_ptr, y);
   } else {
-    const QuantizedRows xq = quantize_rows<at::BFloat16>(rows);
+    const QuantizedRows xq = quantize_rows<at::BFloat16>(rows, bits == 4);
     if (bits == 4) gemm<true, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
     else gemm<false, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
   }
@@ -326,6 +412,7 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* op = bits == 4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
   at::BFloat16* wp = out.data_ptr<at::BFloat16>();
+  const int64_t grouped = bits == 4 ? grouped_blocks(nb) : 0;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       at::BFloat16* row = wp + n * K;
@@ -340,7 +427,11 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
         const uint8_t* bytes = cp + n * (K / 2);
         for (int64_t j = 0; j < kBlock; ++j) {
           int code;
-          if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
+          if (b < grouped) {  // grouped: the byte at input j's grouped index, halved (two nibbles a byte)
+            const int64_t at = grouped_index(b, j % 16, grouped);
+            const uint8_t byte = bytes[(at / 512) * 256 + at % 512];
+            code = j < 16 ? (byte & 15) : (byte >> 4);
+          } else if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
             const uint8_t byte = bytes[(b & ~int64_t{1}) * 16 + j];
             code = (b & 1) ? (byte >> 4) : (byte & 15);
           } else {  // a lone last block: byte j holds inputs j and j + 16
