@@ -71,6 +71,30 @@ def test_int4_product_matches_its_definition_and_is_row_invariant(blocks, out_fe
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize(("blocks", "out_features", "rows"), [(129, 45, 11), (280, 23, 6), (48, 130, 13)])
+def test_many_rows_across_weight_tiles_are_row_invariant(fmt, blocks, out_features, rows):
+    """Many-row products take the weights a tile of rows at a time (kTileBytes) against every
+    chunk of activation rows: wide rows make tiles of a few weight rows, so each thread's share
+    spans several tiles and a partial one; each output must still be its one-row product."""
+    torch.manual_seed(blocks + out_features)
+    in_features = blocks * INT4_GROUP
+    weight = torch.randn(out_features, in_features) * 0.05
+    if fmt == "int4":
+        codes, scale, zero = int4_groups(weight)
+        packed = pack_int4(codes, scale, zero, torch.bfloat16)
+    else:
+        packed = quantize_int8(weight)
+    assert packed.kernel == "spirit"
+    x = torch.randn(rows, in_features).bfloat16()
+    y = packed.matmul(x)
+    assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(rows)]), y)
+    if fmt == "int4":
+        expected = quantized_activations(x) @ int4_weight(codes, scale, zero).T
+        assert torch.allclose(y.double(), expected, rtol=2e-2, atol=2e-2)  # bf16 outputs
+
+
+@needs_kernel
 @settings(max_examples=15, deadline=None)
 @given(blocks=st.integers(1, 7), out_features=st.integers(1, 24), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_int8_product_matches_its_definition_and_is_row_invariant(blocks, out_features, rows, seed):

@@ -44,6 +44,10 @@ constexpr int64_t kBlock = 32;
 #endif
 constexpr int64_t kRowsPerChunk = 4;  // activation rows that share one read of a weight row
 constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see the formats)
+#ifndef SPIRIT_TILE_BYTES
+#define SPIRIT_TILE_BYTES 32768
+#endif
+constexpr int64_t kTileBytes = SPIRIT_TILE_BYTES;  // packed weight bytes taken against all activation rows at once
 
 // Blocks of a row that are in interleaved groups (int4), and where an activation's input j of
 // block b goes in the grouped order.
@@ -325,24 +329,32 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   const float* dp = xq.scale.data_ptr<float>();
   const float* xs = xq.sum.data_ptr<float>();
   T* yp = y.data_ptr<T>();
+  // Many rows (prefill, wide verification): a tile of weight rows is taken against every chunk
+  // of activation rows before the next tile, so the tile is read from memory once and then
+  // from cache, and each chunk's activations stay in L1 across the tile. Each output is still
+  // computed by the same row_times_rows call, so the loop order changes no bit.
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[kRowsPerChunk];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* w = wp + n * row_bytes;
-      const uint16_t* s = sp + n * nb;
-      const uint16_t* o = Int4 ? op + n * nb : nullptr;
+    for (int64_t n0 = begin; n0 < end; n0 += tile) {
+      const int64_t n1 = std::min(end, n0 + tile);
       for (int64_t m = 0; m < M; m += kRowsPerChunk) {
         const int64_t rows = std::min(kRowsPerChunk, M - m);
         const int8_t* x = xp + m * K;
         const float* d = dp + m * nb;
         const float* sums = xs + m * nb;
-        switch (rows) {
-          case 4: row_times_rows<4, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-          case 3: row_times_rows<3, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-          case 2: row_times_rows<2, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-          default: row_times_rows<1, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* w = wp + n * row_bytes;
+          const uint16_t* s = sp + n * nb;
+          const uint16_t* o = Int4 ? op + n * nb : nullptr;
+          switch (rows) {
+            case 4: row_times_rows<4, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+            case 3: row_times_rows<3, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+            case 2: row_times_rows<2, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+            default: row_times_rows<1, Int4>(w, s, o, x, d, sums, K, nb, out); break;
+          }
+          for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
         }
-        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
       }
     }
   });
@@ -416,29 +428,44 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       at::BFloat16* row = wp + n * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float s = half_to_float(sp[n * nb + b]);
-        if (bits == 8) {
-          const int8_t* c = reinterpret_cast<const int8_t*>(cp) + n * K + b * kBlock;
-          for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<at::BFloat16>(c[j] * s);
-          continue;
+      const uint16_t* s = sp + n * nb;
+      if (bits == 8) {
+        const int8_t* c = reinterpret_cast<const int8_t*>(cp) + n * K;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float scale_b = half_to_float(s[b]);
+          for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<at::BFloat16>(c[b * kBlock + j] * scale_b);
         }
-        const float o = half_to_float(op[n * nb + b]);
-        const uint8_t* bytes = cp + n * (K / 2);
+        continue;
+      }
+      const uint16_t* o = op + n * nb;
+      const uint8_t* bytes = cp + n * (K / 2);
+      float scales[kGroup], offsets[kGroup];
+      for (int64_t g = 0; g < grouped; g += kGroup) {  // byte 64c + 4l + j: inputs 4c + j and 16 + 4c + j of block l
+        const uint8_t* group = bytes + g * 16;
+        for (int64_t l = 0; l < kGroup; ++l) scales[l] = half_to_float(s[g + l]), offsets[l] = half_to_float(o[g + l]);
+        for (int64_t l = 0; l < kGroup; ++l) {
+          at::BFloat16* out_block = row + (g + l) * kBlock;
+          for (int64_t c = 0; c < 4; ++c) {
+            for (int64_t j = 0; j < 4; ++j) {
+              const uint8_t byte = group[64 * c + 4 * l + j];
+              out_block[4 * c + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(byte & 15), scales[l], offsets[l]));
+              out_block[16 + 4 * c + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(byte >> 4), scales[l], offsets[l]));
+            }
+          }
+        }
+      }
+      for (int64_t b = grouped; b < nb; ++b) {
+        const float scale_b = half_to_float(s[b]), offset_b = half_to_float(o[b]);
         for (int64_t j = 0; j < kBlock; ++j) {
           int code;
-          if (b < grouped) {  // grouped: the byte at input j's grouped index, halved (two nibbles a byte)
-            const int64_t at = grouped_index(b, j % 16, grouped);
-            const uint8_t byte = bytes[(at / 512) * 256 + at % 512];
-            code = j < 16 ? (byte & 15) : (byte >> 4);
-          } else if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
+          if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
             const uint8_t byte = bytes[(b & ~int64_t{1}) * 16 + j];
             code = (b & 1) ? (byte >> 4) : (byte & 15);
           } else {  // a lone last block: byte j holds inputs j and j + 16
             const uint8_t byte = bytes[b * 16 + (j & 15)];
             code = j < 16 ? (byte & 15) : (byte >> 4);
           }
-          row[b * kBlock + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(code), s, o));
+          row[b * kBlock + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(code), scale_b, offset_b));
         }
       }
     }

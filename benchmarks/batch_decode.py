@@ -1,0 +1,119 @@
+"""Decode throughput of B requests batched together (spirit/batch.py), prefill excluded:
+how much of the machine continuous batching recovers once the prompts are in the cache.
+
+    python benchmarks/batch_decode.py --model qwen2.5-coder-1.5b --batches 1,2,4,8 --tokens 64
+
+For each batch size B and method (interleaved: every B for every method in one repeat, the
+order reversed at each next repeat, after a warm-up), B Spec-Bench prompts (the first turn,
+as a chat message, rotating through the selected questions) are prefilled one by one, then
+decoded together by `Batch.step` until every request ends. Figures: committed tokens over the
+decode wall time (drafting, packed passes and verification included; prefill not), the mean
+number of requests decoding per round, and that tok/s over B=1's of the same method.
+
+This isolates the decode side that bench-serve (spirit/bench/serve_load.py) mixes with
+prefill: a load run's batching gain is bounded by its prompts' prefill share, this one is not.
+Every request's tokens are checked against its solo decoding of the same method (B=1 runs
+each prompt alone first); a difference is printed and makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import spirit
+from spirit.batch import Batch
+from spirit.bench.questions import load_questions, select
+
+
+def decode_together(lm, prompts: list[str], method: str, tokens: int) -> dict:
+    """Prefill each prompt alone, then decode all of them in one batch; the decode's figures."""
+    streams = [lm.stream(p, chat=True, max_new_tokens=tokens, method=method) for p in prompts]
+    decodings = [s.start() for s in streams]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for decoding, out in zip(decodings, outputs):
+        while decoding.prefilling:
+            out.extend(decoding.prefill_chunk())
+    batch = Batch(lm.engine, len(prompts))
+    for decoding, out in zip(decodings, outputs):
+        if decoding.done:
+            continue
+        batch.add(decoding, emit=lambda ids, out=out: out.extend(ids) or True, done=lambda stats: None)
+    committed_before = sum(len(o) for o in outputs)
+    rounds, occupancy = 0, 0
+    started = time.perf_counter()
+    while len(batch):
+        occupancy += len(batch)
+        rounds += 1
+        batch.step()
+    seconds = time.perf_counter() - started
+    decoded = sum(len(o) for o in outputs) - committed_before
+    return {"tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds if seconds else 0.0,
+            "mean_batch": occupancy / rounds if rounds else 0.0, "rows": batch.stats.rows,
+            "passes": batch.stats.passes, "outputs": outputs}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--questions", default=str(Path(__file__).resolve().parents[2] / "shared/data/specbench/dev.jsonl"))
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--methods", default="vanilla,spirit")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", default=None, help="write every run's figures here")
+    args = p.parse_args()
+
+    lm = spirit.load(args.model, dtype=args.dtype, weights=args.weights)
+    questions = select(load_questions(args.questions), per_category=args.per_category)
+    prompts = [q.turns[0] for q in questions]
+    batches = [int(b) for b in args.batches.split(",")]
+    methods = args.methods.split(",")
+    for method in methods:  # warm-up (and any calibration) outside the timed runs
+        decode_together(lm, prompts[:2], method, 8)
+    solo = {m: [decode_together(lm, [p], m, args.tokens)["outputs"][0] for p in prompts] for m in methods}
+
+    runs: list[dict] = []
+    mismatches = 0
+    turn = 0
+    order = [(m, b) for m in methods for b in batches]
+    for repeat in range(args.repeats):
+        for method, size in order if repeat % 2 == 0 else order[::-1]:
+            picked = [(turn + i) % len(prompts) for i in range(size)]
+            turn += size
+            result = decode_together(lm, [prompts[i] for i in picked], method, args.tokens)
+            for i, out in zip(picked, result.pop("outputs")):
+                if out != solo[method][i]:
+                    mismatches += 1
+                    print(f"MISMATCH: {method} B={size} prompt {i}", file=sys.stderr)
+            runs.append({"method": method, "batch": size, "repeat": repeat, **result})
+            print(f"  {method} B={size}: {result['tok_s']:.2f} tok/s over {result['tokens']} tokens, "
+                  f"mean batch {result['mean_batch']:.2f}", file=sys.stderr, flush=True)
+
+    print(f"model {lm.name}  weights {args.weights}  {len(prompts)} prompts, {args.tokens} tokens, "
+          f"{args.repeats} repeats; decode only (prefill excluded)")
+    print(f"{'method':8s} {'B':>3s} {'tok/s':>7s} {'vs B=1':>7s} {'mean batch':>10s} {'rows/pass':>9s}")
+    for method in methods:
+        base = None
+        for size in batches:
+            mine = [r for r in runs if r["method"] == method and r["batch"] == size]
+            tok_s = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            base = base or tok_s
+            occupancy = statistics.mean(r["mean_batch"] for r in mine)
+            rows = sum(r["rows"] for r in mine) / max(1, sum(r["passes"] for r in mine))
+            print(f"{method:8s} {size:3d} {tok_s:7.2f} {tok_s / base:6.2f}x {occupancy:10.2f} {rows:9.2f}")
+    print(f"identical to solo decoding: {'yes' if not mismatches else f'NO, {mismatches} differ'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": lm.name, "args": vars(args), "runs": runs}, indent=1))
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
