@@ -4,23 +4,24 @@ how much of the machine continuous batching recovers once the prompts are in the
     python benchmarks/batch_decode.py --model qwen2.5-coder-1.5b --batches 1,2,4,8 --tokens 64
 
 For each batch size B and method (interleaved: every B for every method in one repeat, the
-order reversed at each next repeat, after a warm-up), B Spec-Bench prompts (the first turn,
-as a chat message, rotating through the selected questions) are prefilled one by one, then
-decoded together by `Batch.step` until every request ends. Figures: committed tokens over the
-decode wall time (drafting, packed passes and verification included; prefill not), the mean
-number of requests decoding per round, and that tok/s over B=1's of the same method.
+order reversed at each next repeat, after a warm-up), the selected Spec-Bench prompts (the
+first turn, as a chat message) are taken B at a time: each group is prefilled one prompt at a
+time, then decoded together by `Batch.step` until every request in it ends. So every B decodes
+the same prompts and tokens. Figures: committed tokens over the decode wall time (drafting,
+packed passes and verification included; prefill not), the mean number of requests decoding
+per round (time-weighted; requests that end early lower it), and that tok/s over B=1's of the
+same method.
 
 This isolates the decode side that bench-serve (spirit/bench/serve_load.py) mixes with
 prefill: a load run's batching gain is bounded by its prompts' prefill share, this one is not.
-Every request's tokens are checked against its solo decoding of the same method (B=1 runs
-each prompt alone first); a difference is printed and makes the command exit 1.
+Every request's tokens are checked against plain decoding alone (vanilla at B=1); a
+difference is printed and makes the command exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,37 +79,51 @@ def main() -> int:
     methods = args.methods.split(",")
     for method in methods:  # warm-up (and any calibration) outside the timed runs
         decode_together(lm, prompts[:2], method, 8)
-    solo = {m: [decode_together(lm, [p], m, args.tokens)["outputs"][0] for p in prompts] for m in methods}
 
+    # every batch size decodes the same prompts (in groups of B), so the figures compare the
+    # same tokens; every answer must equal plain decoding's alone (B=1, vanilla: the reference)
     runs: list[dict] = []
-    mismatches = 0
-    turn = 0
+    answers: dict[tuple[str, int, int], list[list[int]]] = {}
     order = [(m, b) for m in methods for b in batches]
     for repeat in range(args.repeats):
         for method, size in order if repeat % 2 == 0 else order[::-1]:
-            picked = [(turn + i) % len(prompts) for i in range(size)]
-            turn += size
-            result = decode_together(lm, [prompts[i] for i in picked], method, args.tokens)
-            for i, out in zip(picked, result.pop("outputs")):
-                if out != solo[method][i]:
-                    mismatches += 1
-                    print(f"MISMATCH: {method} B={size} prompt {i}", file=sys.stderr)
-            runs.append({"method": method, "batch": size, "repeat": repeat, **result})
-            print(f"  {method} B={size}: {result['tok_s']:.2f} tok/s over {result['tokens']} tokens, "
-                  f"mean batch {result['mean_batch']:.2f}", file=sys.stderr, flush=True)
+            total = {"tokens": 0, "seconds": 0.0, "rounds_weighted": 0.0, "rows": 0, "passes": 0}
+            outputs: list[list[int]] = []
+            for start in range(0, len(prompts), size):
+                result = decode_together(lm, prompts[start : start + size], method, args.tokens)
+                outputs.extend(result["outputs"])
+                for key in ("tokens", "seconds", "rows", "passes"):
+                    total[key] += result[key]
+                total["rounds_weighted"] += result["mean_batch"] * result["seconds"]
+            answers[(method, size, repeat)] = outputs
+            mean_batch = total.pop("rounds_weighted") / total["seconds"]
+            runs.append({"method": method, "batch": size, "repeat": repeat, "mean_batch": mean_batch, **total})
+            print(f"  {method} B={size}: {total['tokens'] / total['seconds']:.2f} tok/s over {total['tokens']} tokens, "
+                  f"mean batch {mean_batch:.2f}", file=sys.stderr, flush=True)
+    reference = answers.get(("vanilla", 1, 0)) or answers[(methods[0], batches[0], 0)]
+    mismatches = 0
+    for (method, size, repeat), outputs in answers.items():
+        for i, (got, want) in enumerate(zip(outputs, reference)):
+            if got != want:
+                mismatches += 1
+                print(f"MISMATCH: {method} B={size} repeat {repeat} prompt {i}", file=sys.stderr)
 
     print(f"model {lm.name}  weights {args.weights}  {len(prompts)} prompts, {args.tokens} tokens, "
           f"{args.repeats} repeats; decode only (prefill excluded)")
-    print(f"{'method':8s} {'B':>3s} {'tok/s':>7s} {'vs B=1':>7s} {'mean batch':>10s} {'rows/pass':>9s}")
+    def tok_s(method: str, size: int) -> float:
+        mine = [r for r in runs if r["method"] == method and r["batch"] == size]
+        return sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+
+    first = methods[0]
+    print(f"{'method':8s} {'B':>3s} {'tok/s':>7s} {'vs B=1':>7s} {'vs ' + first + ' B=1':>14s} {'mean batch':>10s} {'rows/pass':>9s}")
     for method in methods:
-        base = None
         for size in batches:
             mine = [r for r in runs if r["method"] == method and r["batch"] == size]
-            tok_s = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
-            base = base or tok_s
-            occupancy = statistics.mean(r["mean_batch"] for r in mine)
+            occupancy = sum(r["mean_batch"] * r["seconds"] for r in mine) / sum(r["seconds"] for r in mine)
             rows = sum(r["rows"] for r in mine) / max(1, sum(r["passes"] for r in mine))
-            print(f"{method:8s} {size:3d} {tok_s:7.2f} {tok_s / base:6.2f}x {occupancy:10.2f} {rows:9.2f}")
+            speed = tok_s(method, size)
+            print(f"{method:8s} {size:3d} {speed:7.2f} {speed / tok_s(method, batches[0]):6.2f}x "
+                  f"{speed / tok_s(first, batches[0]):13.2f}x {occupancy:10.2f} {rows:9.2f}")
     print(f"identical to solo decoding: {'yes' if not mismatches else f'NO, {mismatches} differ'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": lm.name, "args": vars(args), "runs": runs}, indent=1))
