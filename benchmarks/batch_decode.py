@@ -9,7 +9,7 @@ first turn, as a chat message) are taken B at a time: each group is prefilled on
 time, then decoded together by `Batch.step` until every request in it ends. So every B decodes
 the same prompts and tokens. Figures: committed tokens over the decode wall time (drafting,
 packed passes and verification included; prefill not), the mean number of requests decoding
-per round (time-weighted; requests that end early lower it), and that tok/s over B=1's of the
+per round (requests that end early lower it), and that tok/s over B=1's of the
 same method.
 
 This isolates the decode side that bench-serve (spirit/bench/serve_load.py) mixes with
@@ -53,9 +53,19 @@ def decode_together(lm, prompts: list[str], method: str, tokens: int) -> dict:
         batch.step()
     seconds = time.perf_counter() - started
     decoded = sum(len(o) for o in outputs) - committed_before
-    return {"tokens": decoded, "seconds": seconds, "tok_s": decoded / seconds if seconds else 0.0,
-            "mean_batch": occupancy / rounds if rounds else 0.0, "rows": batch.stats.rows,
-            "passes": batch.stats.passes, "outputs": outputs}
+    return {"tokens": decoded, "seconds": seconds, "request_rounds": occupancy, "rounds": rounds,
+            "rows": batch.stats.rows, "passes": batch.stats.passes, "outputs": outputs}
+
+
+COUNTED = ("tokens", "seconds", "request_rounds", "rounds", "rows", "passes")  # summed over a run's groups
+
+
+def summary(runs: list[dict]) -> dict[str, float]:
+    """Decode tok/s, requests decoding per round and rows per pass over the given runs."""
+    total = {key: sum(r[key] for r in runs) for key in COUNTED}
+    return {"tok_s": total["tokens"] / total["seconds"] if total["seconds"] else 0.0,
+            "mean_batch": total["request_rounds"] / max(1, total["rounds"]),
+            "rows_per_pass": total["rows"] / max(1, total["passes"])}
 
 
 def main() -> int:
@@ -87,19 +97,18 @@ def main() -> int:
     order = [(m, b) for m in methods for b in batches]
     for repeat in range(args.repeats):
         for method, size in order if repeat % 2 == 0 else order[::-1]:
-            total = {"tokens": 0, "seconds": 0.0, "rounds_weighted": 0.0, "rows": 0, "passes": 0}
+            run = {"method": method, "batch": size, "repeat": repeat, **dict.fromkeys(COUNTED, 0)}
             outputs: list[list[int]] = []
             for start in range(0, len(prompts), size):
                 result = decode_together(lm, prompts[start : start + size], method, args.tokens)
                 outputs.extend(result["outputs"])
-                for key in ("tokens", "seconds", "rows", "passes"):
-                    total[key] += result[key]
-                total["rounds_weighted"] += result["mean_batch"] * result["seconds"]
+                for key in COUNTED:
+                    run[key] += result[key]
             answers[(method, size, repeat)] = outputs
-            mean_batch = total.pop("rounds_weighted") / total["seconds"]
-            runs.append({"method": method, "batch": size, "repeat": repeat, "mean_batch": mean_batch, **total})
-            print(f"  {method} B={size}: {total['tokens'] / total['seconds']:.2f} tok/s over {total['tokens']} tokens, "
-                  f"mean batch {mean_batch:.2f}", file=sys.stderr, flush=True)
+            runs.append(run)
+            figures = summary([run])
+            print(f"  {method} B={size}: {figures['tok_s']:.2f} tok/s over {run['tokens']} tokens, "
+                  f"mean batch {figures['mean_batch']:.2f}", file=sys.stderr, flush=True)
     reference = answers.get(("vanilla", 1, 0)) or answers[(methods[0], batches[0], 0)]
     mismatches = 0
     for (method, size, repeat), outputs in answers.items():
@@ -110,20 +119,14 @@ def main() -> int:
 
     print(f"model {lm.name}  weights {args.weights}  {len(prompts)} prompts, {args.tokens} tokens, "
           f"{args.repeats} repeats; decode only (prefill excluded)")
-    def tok_s(method: str, size: int) -> float:
-        mine = [r for r in runs if r["method"] == method and r["batch"] == size]
-        return sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
-
+    table = {(m, b): summary([r for r in runs if r["method"] == m and r["batch"] == b]) for m, b in order}
     first = methods[0]
     print(f"{'method':8s} {'B':>3s} {'tok/s':>7s} {'vs B=1':>7s} {'vs ' + first + ' B=1':>14s} {'mean batch':>10s} {'rows/pass':>9s}")
-    for method in methods:
-        for size in batches:
-            mine = [r for r in runs if r["method"] == method and r["batch"] == size]
-            occupancy = sum(r["mean_batch"] * r["seconds"] for r in mine) / sum(r["seconds"] for r in mine)
-            rows = sum(r["rows"] for r in mine) / max(1, sum(r["passes"] for r in mine))
-            speed = tok_s(method, size)
-            print(f"{method:8s} {size:3d} {speed:7.2f} {speed / tok_s(method, batches[0]):6.2f}x "
-                  f"{speed / tok_s(first, batches[0]):13.2f}x {occupancy:10.2f} {rows:9.2f}")
+    for method, size in order:
+        figures = table[(method, size)]
+        speed = figures["tok_s"]
+        print(f"{method:8s} {size:3d} {speed:7.2f} {speed / table[(method, batches[0])]['tok_s']:6.2f}x "
+              f"{speed / table[(first, batches[0])]['tok_s']:13.2f}x {figures['mean_batch']:10.2f} {figures['rows_per_pass']:9.2f}")
     print(f"identical to solo decoding: {'yes' if not mismatches else f'NO, {mismatches} differ'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": lm.name, "args": vars(args), "runs": runs}, indent=1))

@@ -16,6 +16,7 @@ ratio to "now", and checks that every variant gives the same output bits as "now
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,13 @@ def main() -> int:
     args = p.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="qgemm-ab-"))
+    try:
+        return compare(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, workdir: Path) -> int:
     variants = {"now": build("now", sources_at(None), [], workdir)}
     for rev in args.against:
         variants[rev] = build("rev_" + "".join(c if c.isalnum() else "_" for c in rev), sources_at(rev), [], workdir)
@@ -94,10 +102,10 @@ def main() -> int:
             best = {name: float("inf") for name in variants}
             for repeat in range(args.repeats):
                 for name, module in (variants.items() if repeat % 2 == 0 else reversed(variants.items())):
-                    calls, started, i = 0, time.perf_counter(), 0
+                    calls, started = 0, time.perf_counter()
                     while time.perf_counter() - started < args.seconds:
-                        module.qgemm(x, weights[i % copies], packed.scales, offsets, none, bits)
-                        calls, i = calls + 1, i + 1
+                        module.qgemm(x, weights[calls % copies], packed.scales, offsets, none, bits)
+                        calls += 1
                     best[name] = min(best[name], (time.perf_counter() - started) / calls)
                     if args.same_bits and repeat == 0 and name != "now":
                         same = torch.equal(module.qgemm(x, packed.codes, packed.scales, offsets, none, bits), reference)
