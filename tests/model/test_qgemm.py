@@ -94,6 +94,48 @@ def test_many_rows_across_weight_tiles_are_row_invariant(fmt, blocks, out_featur
         assert torch.allclose(y.double(), expected, rtol=2e-2, atol=2e-2)  # bf16 outputs
 
 
+def _extreme_int4_products() -> None:
+    """The largest integer sums int4 can produce: every code 15 against every activation code
+    +127 or -127 (a block of equal values), over K = 1536 (3 groups of 16 blocks) and 1568 (a
+    lone last block after them). Without VNNI the kernel adds 8 byte-pair products in int16
+    before widening (at most 8 * 2 * 15 * 127 = 30480): an overflow there would show here as a
+    wrong sum. Checked against the definition and one row at a time."""
+    for in_features in (1536, 1568):
+        blocks = in_features // INT4_GROUP
+        codes = torch.full((6, in_features), 15, dtype=torch.uint8)
+        codes[1::2, ::3] = 0  # some rows mix in the smallest code
+        scale = torch.full((6, blocks), 0.25)
+        zero = torch.full((6, blocks), 0.5)
+        packed = pack_int4(codes, scale, zero, torch.float32)
+        assert packed.kernel == "spirit"
+        sign = torch.where(torch.arange(blocks) % 3 == 0, -1.0, 1.0).repeat_interleave(INT4_GROUP)
+        x = torch.stack([sign * 3.0, -sign * 0.5, torch.full((in_features,), 2.0), sign])
+        y = packed.matmul(x)
+        reference = quantized_activations(x) @ int4_weight(codes, scale, zero).T
+        assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-3), (in_features, (y.double() - reference).abs().max())
+        assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(len(x))]), y)
+
+
+@needs_kernel
+@pytest.mark.parametrize("held_to_avx2", [False, True], ids=["native", "avx2"])
+def test_int4_sums_at_their_largest_are_exact(held_to_avx2):
+    """The extreme products under this CPU's kernel and under the AVX2 build (maddubs, the
+    path AVX2-only CPUs such as AMD's Zen 2/3 EPYCs take), which runs in a fresh process:
+    the build is chosen when the kernel first loads."""
+    if not held_to_avx2:
+        _extreme_int4_products()
+        return
+    import subprocess
+    import sys
+
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_qgemm; from spirit.model import qgemm; "
+              "assert qgemm.status().isa == 'avx2', qgemm.status(); test_qgemm._extreme_int4_products()")
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env={**os.environ, **avx2},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @needs_kernel
 @settings(max_examples=15, deadline=None)
 @given(blocks=st.integers(1, 7), out_features=st.integers(1, 24), rows=st.integers(1, 9), seed=st.integers(0, 2**16))

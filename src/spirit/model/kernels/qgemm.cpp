@@ -33,6 +33,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -42,7 +43,10 @@ constexpr int64_t kBlock = 32;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPIRIT_WIDE 1
 #endif
-constexpr int64_t kRowsPerChunk = 4;  // activation rows that share one read of a weight row
+#ifndef SPIRIT_ROWS_PER_CHUNK
+#define SPIRIT_ROWS_PER_CHUNK 4
+#endif
+constexpr int64_t kRowsPerChunk = SPIRIT_ROWS_PER_CHUNK;  // activation rows that share one read of a weight row
 constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see the formats)
 #ifndef SPIRIT_TILE_BYTES
 #define SPIRIT_TILE_BYTES 32768
@@ -215,13 +219,28 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
       const __m256 os = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + g + 8 * h)));
       for (int r = 0; r < R; ++r) {
         const int8_t* xg = xq + r * K + g * kBlock + 32 * h;
-        __m256i s0 = dot_u8s8(u[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
-        __m256i s1 = dot_u8s8(u[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64)));
+        auto x_at = [&](int k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * k)); };
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+        __m256i s0 = dot_u8s8(u[0], x_at(0));
+        __m256i s1 = dot_u8s8(u[1], x_at(1));
         for (int k = 2; k < 8; k += 2) {
-          s0 = _mm256_add_epi32(s0, dot_u8s8(u[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * k))));
-          s1 = _mm256_add_epi32(s1, dot_u8s8(u[k + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * (k + 1)))));
+          s0 = _mm256_add_epi32(s0, dot_u8s8(u[k], x_at(k)));
+          s1 = _mm256_add_epi32(s1, dot_u8s8(u[k + 1], x_at(k + 1)));
         }
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+#else
+        // Without VNNI a dot product is maddubs (byte pairs to int16) then madd (int16 pairs to
+        // int32). The 8 products of a half group add up in int16 first, exactly: a code is at
+        // most 15 and |q| at most 127, so a byte pair gives at most 3810 and 8 of them 30480,
+        // under 32767. One madd instead of 8, and the same integer sums, so the same bits.
+        __m256i p0 = _mm256_maddubs_epi16(u[0], x_at(0));
+        __m256i p1 = _mm256_maddubs_epi16(u[1], x_at(1));
+        for (int k = 2; k < 8; k += 2) {
+          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(u[k], x_at(k)));
+          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[k + 1], x_at(k + 1)));
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1)));
+#endif
         group_acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_loadu_ps(xd + r * nb + g + 8 * h)), sums, group_acc[r][h]);
         group_acc[r][h] = _mm256_fmadd_ps(os, _mm256_loadu_ps(xs + r * nb + g + 8 * h), group_acc[r][h]);
       }
@@ -317,6 +336,20 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   }
 }
 
+using RowsKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const int8_t*, const float*,
+                           const float*, int64_t, int64_t, float*);
+
+// row_times_rows for 1..kRowsPerChunk activation rows, picked at run time
+template <bool Int4, int... R>
+RowsKernel rows_kernel_of(int64_t rows, std::integer_sequence<int, R...>) {
+  static constexpr RowsKernel table[] = {&row_times_rows<R + 1, Int4>...};
+  return table[rows - 1];
+}
+template <bool Int4>
+RowsKernel rows_kernel(int64_t rows) {
+  return rows_kernel_of<Int4>(rows, std::make_integer_sequence<int, kRowsPerChunk>{});
+}
+
 template <bool Int4, typename T>
 void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
           const float* bias, at::Tensor& y) {
@@ -347,12 +380,7 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
           const uint8_t* w = wp + n * row_bytes;
           const uint16_t* s = sp + n * nb;
           const uint16_t* o = Int4 ? op + n * nb : nullptr;
-          switch (rows) {
-            case 4: row_times_rows<4, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-            case 3: row_times_rows<3, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-            case 2: row_times_rows<2, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-            default: row_times_rows<1, Int4>(w, s, o, x, d, sums, K, nb, out); break;
-          }
+          rows_kernel<Int4>(rows)(w, s, o, x, d, sums, K, nb, out);
           for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
         }
       }
