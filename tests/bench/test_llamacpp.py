@@ -154,3 +154,18 @@ def test_lookup_gives_plain_llamacpp_tokens_on_this_prompt(runs):
     assert lookup.token_ids == plain.token_ids
     c = lookup.stats.counters
     assert c.draft_rounds > 0 and 0 <= c.accepted <= c.drafted  # the prompt repeats itself: lookup drafts
+
+
+def test_the_report_names_the_llamacpp_build_that_ran(monkeypatch):
+    """Its instruction sets are fixed when it is compiled, not by the variables that hold
+    torch's kernels back, so a report must say which build ran (an AVX2-class comparison needs
+    an AVX2 build of llama.cpp too); nothing when llama.cpp did not run."""
+    from spirit.bench.machine import llamacpp_build
+
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    assert llamacpp_build() is None
+    fake = types.ModuleType("llama_cpp")
+    fake.__file__ = "/opt/llama-avx2/llama_cpp/__init__.py"
+    fake.llama_print_system_info = lambda: b"CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | OPENMP = 1 | "
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert llamacpp_build() == "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | OPENMP = 1 (/opt/llama-avx2/llama_cpp)"

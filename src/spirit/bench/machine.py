@@ -6,6 +6,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 
 
 def cpu_model() -> str:
@@ -61,7 +62,28 @@ def machine_info(lm) -> dict:
         "platform": platform.platform(),
         "model": lm.name,
         "num_layers": lm.num_layers,
+        "spirit_kernel": spirit_kernel(),
+        "llamacpp": llamacpp_build(),
     }
+
+
+def llamacpp_build() -> str | None:
+    """The instruction sets of the llama.cpp build the bench ran (its own system info line), or
+    None where it did not run. Its build is fixed at compile time, not by the variables that
+    hold torch's kernels back: an AVX2-class comparison needs an AVX2 build of it as well."""
+    module = sys.modules.get("llama_cpp")
+    if module is None:
+        return None
+    info = module.llama_print_system_info().decode(errors="replace").strip().rstrip("|").strip()
+    return f"{info} ({os.path.dirname(module.__file__)})"
+
+
+def spirit_kernel() -> str | None:
+    """Which build of spirit's int4/int8 kernel ran, where the run loaded it (never builds it)."""
+    from spirit.model import qgemm
+
+    status = qgemm.loaded_status()
+    return status.reason if status is not None else None
 
 
 def vanilla_sol(lm, runs) -> dict | None:

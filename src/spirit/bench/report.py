@@ -291,6 +291,8 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
         f"- dtype {result.dtype}: {m.get('dtype_reason') or 'not stated'}"
         + (f"; kernels held back by {' '.join(f'{k}={v}' for k, v in m['kernel_env'].items())}" if m.get("kernel_env") else ""),
         f"- {exactness_line(result.exactness)}",
+        *([f"- spirit's kernel: {m['spirit_kernel']}"] if m.get("spirit_kernel") else []),
+        *([f"- llama.cpp build: {m['llamacpp']}"] if m.get("llamacpp") else []),
         f"- total time {result.elapsed_s:.1f} s, process peak RSS {data['process_peak_rss_mb']:.0f} MB",
     ]
     sol = result.sol

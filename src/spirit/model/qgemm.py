@@ -98,6 +98,12 @@ def status() -> KernelStatus:
     return KernelStatus(module is not None, module.isa() if module is not None else "", reason)
 
 
+def loaded_status() -> KernelStatus | None:
+    """status() where the kernel was already loaded (or refused) in this process, else None:
+    for reports, which must not start a build."""
+    return status() if _extension.cache_info().currsize else None
+
+
 def available() -> bool:
     return _extension()[0] is not None
 
