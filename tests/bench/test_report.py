@@ -19,3 +19,15 @@ def test_hf_agreement_is_transformers_not_spirits():
     text = "\n".join(lossless_section({"spirit": ours, "hf": hf}, None))
     assert "| spirit | 4/4 | 4/4 | 100.0% | 0 |" in text and "| hf |" not in text
     assert "hf agreed with vanilla on 3/4 questions (75.0%)" in text and "not of spirit" in text
+
+
+def test_reports_say_which_kernels_ran():
+    from spirit.bench.machine import kernel_lines
+
+    assert kernel_lines({"kernel_env": {}, "spirit_kernel": None, "llamacpp": None}) == []
+    lines = kernel_lines({"kernel_env": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                          "spirit_kernel": "spirit's kernel (avx2 integer dot products, row-invariant)",
+                          "llamacpp": "CPU : AVX2 = 1 | FMA = 1 (/opt/llama-avx2/llama_cpp)"})
+    assert lines == ["kernels held back by ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2",
+                     "spirit's kernel: spirit's kernel (avx2 integer dot products, row-invariant)",
+                     "llama.cpp build: CPU : AVX2 = 1 | FMA = 1 (/opt/llama-avx2/llama_cpp)"]

@@ -39,6 +39,19 @@ def machine_line(m: dict) -> str:
             f"torch {m.get('torch')}, transformers {m.get('transformers')}, Python {m.get('python')}")
 
 
+def kernel_lines(m: dict) -> list[str]:
+    """The reports' lines on which kernels ran: torch's held back (and by what), spirit's
+    int4/int8 kernel build, and llama.cpp's build, each where it applies."""
+    lines = []
+    if m.get("kernel_env"):
+        lines.append(f"kernels held back by {' '.join(f'{k}={v}' for k, v in m['kernel_env'].items())}")
+    if m.get("spirit_kernel"):
+        lines.append(f"spirit's kernel: {m['spirit_kernel']}")
+    if m.get("llamacpp"):
+        lines.append(f"llama.cpp build: {m['llamacpp']}")
+    return lines
+
+
 def machine_info(lm) -> dict:
     import torch
     import transformers

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from spirit.bench.answers import write_answers
-from spirit.bench.machine import machine_line, peak_rss_bytes
+from spirit.bench.machine import kernel_lines, machine_line, peak_rss_bytes
 from spirit.bench.metrics import BASELINE, OTHER_ENGINES, OVERALL, Figures, Lossless, QuestionRun, first_in_category
 from spirit.bench.runner import BenchResult
 
@@ -288,11 +288,9 @@ def markdown(result: BenchResult, data: dict, plots: dict[str, str]) -> str:
         f"max {result.settings.get('max_new_tokens')} new tokens, greedy; order: {result.settings.get('order')}, "
         f"after a warm-up: {result.settings.get('warmup')}",
         f"- static skip set: {result.settings.get('static_skip') or '-'}",
-        f"- dtype {result.dtype}: {m.get('dtype_reason') or 'not stated'}"
-        + (f"; kernels held back by {' '.join(f'{k}={v}' for k, v in m['kernel_env'].items())}" if m.get("kernel_env") else ""),
+        f"- dtype {result.dtype}: {m.get('dtype_reason') or 'not stated'}",
         f"- {exactness_line(result.exactness)}",
-        *([f"- spirit's kernel: {m['spirit_kernel']}"] if m.get("spirit_kernel") else []),
-        *([f"- llama.cpp build: {m['llamacpp']}"] if m.get("llamacpp") else []),
+        *(f"- {line}" for line in kernel_lines(m)),
         f"- total time {result.elapsed_s:.1f} s, process peak RSS {data['process_peak_rss_mb']:.0f} MB",
     ]
     sol = result.sol

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from spirit.bench.machine import machine_line, peak_rss_bytes
+from spirit.bench.machine import kernel_lines, machine_line, peak_rss_bytes
 from spirit.bench.plots import _pyplot, save
 from spirit.bench.report import _row, exactness_line
 from spirit.bench.serve_load import LoadRun, ServeLoadResult
@@ -153,6 +153,7 @@ def markdown(result: ServeLoadResult, plots: dict[str, str]) -> str:
         "- order: a warm-up request per server, the solo reference (each prompt alone, max_batch 1), then per "
         "client count both settings back to back, their order reversed at each next client count",
         f"- {exactness_line(result.exactness)}",
+        *(f"- {line}" for line in kernel_lines(result.machine)),
         f"- total time {result.elapsed_s:.1f} s", "",
         "Definitions (spirit.bench.serve_load): agg tok/s = completion tokens of all answered requests / the run's "
         "wall time; req tok/s = a request's completion tokens / its latency; TTFT = until the first streamed "
