@@ -29,5 +29,5 @@ def test_reports_say_which_kernels_ran():
                           "spirit_kernel": "spirit's kernel (avx2 integer dot products, row-invariant)",
                           "llamacpp": "CPU : AVX2 = 1 | FMA = 1 (/opt/llama-avx2/llama_cpp)"})
     assert lines == ["kernels held back by ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2",
-                     "spirit's kernel: spirit's kernel (avx2 integer dot products, row-invariant)",
+                     "int4/int8 kernel: spirit's kernel (avx2 integer dot products, row-invariant)",
                      "llama.cpp build: CPU : AVX2 = 1 | FMA = 1 (/opt/llama-avx2/llama_cpp)"]

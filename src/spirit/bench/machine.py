@@ -46,7 +46,7 @@ def kernel_lines(m: dict) -> list[str]:
     if m.get("kernel_env"):
         lines.append(f"kernels held back by {' '.join(f'{k}={v}' for k, v in m['kernel_env'].items())}")
     if m.get("spirit_kernel"):
-        lines.append(f"spirit's kernel: {m['spirit_kernel']}")
+        lines.append(f"int4/int8 kernel: {m['spirit_kernel']}")
     if m.get("llamacpp"):
         lines.append(f"llama.cpp build: {m['llamacpp']}")
     return lines
