@@ -180,6 +180,7 @@ def test_end_to_end_outputs(lm, tmp_path, monkeypatch):
     assert "### hf against vanilla: a property of transformers' generate, not of spirit" in report
     assert "| 1, 2 |" not in report and "| 2 | static fixed hf vanilla |" in report  # the rotation
     assert "- spirit" not in report and "- fixed: its own prompts and outputs only" in report
+    assert "llama.cpp build" not in report  # it did not run, even where another test imported it
     assert "near-tie" not in report and "margin" not in report
     for method in ("vanilla", "static", "hf"):
         lines = [json.loads(x) for x in (tmp_path / "out" / "answers" / f"{method}.jsonl").read_text().splitlines()]

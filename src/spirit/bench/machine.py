@@ -52,7 +52,7 @@ def kernel_lines(m: dict) -> list[str]:
     return lines
 
 
-def machine_info(lm) -> dict:
+def machine_info(lm, llamacpp_ran: bool = False) -> dict:
     import torch
     import transformers
 
@@ -76,7 +76,7 @@ def machine_info(lm) -> dict:
         "model": lm.name,
         "num_layers": lm.num_layers,
         "spirit_kernel": spirit_kernel(),
-        "llamacpp": llamacpp_build(),
+        "llamacpp": llamacpp_build() if llamacpp_ran else None,
     }
 
 

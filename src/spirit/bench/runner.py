@@ -276,6 +276,7 @@ def run_bench(
     """
     from tqdm import tqdm
 
+    from spirit.bench.llamacpp import METHODS as LLAMACPP_METHODS
     from spirit.bench.machine import machine_info, vanilla_sol
 
     Request.build("", max_new_tokens=max_new_tokens)  # every turn's options, checked once before the run
@@ -327,7 +328,7 @@ def run_bench(
                      f"({' '.join(methods)}, then {' '.join(rotated(methods, 1))}, ...)",
             "learned_from": {m: learned_from(table[m]) for m in methods},
         },
-        machine=machine_info(lm),
+        machine=machine_info(lm, llamacpp_ran=any(m in LLAMACPP_METHODS for m in methods)),
         decode=lambda ids: lm.tokenizer.decode(ids, skip_special_tokens=False),
         exactness=exactness_of(lm),
     )
