@@ -154,7 +154,7 @@ def test_auto_dtype_follows_the_probe(monkeypatch):
 
 # -- both machine classes: the real probe under native and AVX2-held kernels -----------------
 
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_ENV = probe.AVX2_HELD_ENV
 QWEN_1_5B = LayerShapes(hidden=1536, intermediate=8960, q_out=1536, kv_out=256, vocab=151936, num_layers=28)
 
 

@@ -128,10 +128,10 @@ def test_int4_sums_at_their_largest_are_exact(held_to_avx2):
     import subprocess
     import sys
 
-    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    from spirit.model.probe import AVX2_HELD_ENV
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_qgemm; from spirit.model import qgemm; "
               "assert qgemm.status().isa == 'avx2', qgemm.status(); test_qgemm._extreme_int4_products()")
-    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env={**os.environ, **avx2},
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env={**os.environ, **AVX2_HELD_ENV},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -37,6 +37,9 @@ from spirit.model.quantize import PackedWeight, int4_fits, quantize_int4, quanti
 ROWS = (1, 2, 4, 8, 16)
 FORMATS = FLOAT_FORMATS + LOWBIT_FORMATS
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "SPIRIT_KERNEL")
+# what holds torch's kernels, and spirit's kernel build (model/qgemm.py), back to AVX2 on a newer
+# CPU: how an AVX2-only machine is emulated (set before torch loads)
+AVX2_HELD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 MIN_WORKING_SET = 64 * 2**20  # bytes of weights cycled through per timed pass, at least ...
 MAX_WORKING_SET = 1536 * 2**20  # ... and at most (a VM may report a huge shared L3)
 MIN_TIME_S = 0.05  # each pass size is timed for at least this long ...
