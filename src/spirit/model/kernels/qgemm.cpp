@@ -33,6 +33,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <array>
 #include <utility>
 
 namespace {
@@ -67,8 +69,18 @@ struct QuantizedRows {
   at::Tensor sum;     // float [M, K/32]: d * sum of the block's codes
 };
 
+// 8 floats of a row (float32 or bfloat16) from `p`
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Reads float32 or bfloat16 rows in place: a decoding step's activations are one row, and a
-// separate conversion would cost a tensor and a copy per layer.
+// separate conversion would cost a tensor and a copy per layer. Vectorized (a prefill chunk of
+// 128 rows against the 8960-wide down projection spent a quarter of its time here, scalar);
+// the same arithmetic as one value at a time: max |x| exactly, d = max / 127 and 1 / d in
+// scalar float, codes rounded to nearest even as nearbyint does, an exact integer sum.
 // `grouped`: the codes in int4's grouped order (grouped_index), for the int4 kernel.
 template <typename T>
 QuantizedRows quantize_rows(const at::Tensor& x, bool grouped) {
@@ -80,21 +92,38 @@ QuantizedRows quantize_rows(const at::Tensor& x, bool grouped) {
   float* sp = q.sum.data_ptr<float>();
   const int64_t in_groups = grouped ? grouped_blocks(nb) : 0;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i % nb;
       const T* source = xp + (i / nb) * K + b * kBlock;
       int8_t* row = qp + (i / nb) * K;
-      float xb[kBlock];
-      for (int j = 0; j < kBlock; ++j) xb[j] = static_cast<float>(source[j]);
-      float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      __m256 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = load8(source + 8 * k);
+      __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+      __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
       const float d = amax / 127.0f;
       const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      int total = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
-        row[grouped_index(b, j, in_groups)] = static_cast<int8_t>(v);
-        total += v;
+      const __m256 scale = _mm256_set1_ps(inverse);
+      __m256i codes[4];  // int32, rounded to nearest even (the default rounding mode, as nearbyint)
+      for (int k = 0; k < 4; ++k) codes[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], scale));
+      const __m256i total8 = _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3]));
+      __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+      total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
+      const int total = _mm_cvtsi128_si32(_mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1))));
+      // to bytes (|code| <= 127: no saturation); packing leaves inputs 4c..4c+3 in 4-byte
+      // group (c % 2) * 4 + c / 2, put back in order by one permute
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      if (b >= in_groups) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * kBlock), bytes);
+      } else {  // inputs 4c..4c+3 go together in the grouped order (grouped_index)
+        alignas(32) int32_t quads[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(quads), bytes);
+        for (int c = 0; c < 8; ++c) std::memcpy(row + grouped_index(b, 4 * c, in_groups), quads + c, 4);
       }
       dp[i] = d;
       sp[i] = d * static_cast<float>(total);
@@ -154,10 +183,12 @@ inline WeightBlocks int4_pair(const uint8_t* w) {
 // One weight row against R activation rows. Each row keeps two accumulators (even and odd
 // blocks) so that consecutive blocks do not wait on one another; the per-block factor
 // (weight scale times activation scale) is formed 8 blocks at a time and broadcast by lane.
+// `grouped_sums`: R partial sums over the interleaved groups already formed by
+// grouped_sums_block (the same operations, see there), or nullptr to form them here.
 template <int R, bool Int4>
 inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
                            const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t nb,
-                           float* out) {
+                           float* out, const float* grouped_sums) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int64_t row_bytes_per_block = Int4 ? 16 : 32;
@@ -179,8 +210,9 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   for (int r = 0; r < R; ++r) group_acc[r][0] = group_acc[r][1] = _mm256_setzero_ps();
 #ifdef SPIRIT_WIDE
   __m512 group_wide[R];
-  for (int r = 0; r < R; ++r) group_wide[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < grouped; g += kGroup) {
+  for (int r = 0; r < R; ++r)
+    group_wide[r] = grouped_sums ? _mm512_loadu_ps(grouped_sums + 16 * r) : _mm512_setzero_ps();
+  for (int64_t g = 0; grouped_sums == nullptr && g < grouped; g += kGroup) {
     const uint8_t* wg = w + g * 16;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i u[8];
@@ -336,8 +368,100 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   }
 }
 
+#ifdef SPIRIT_WIDE
+constexpr int kColsPerBlock = 2;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
+
+// int4's interleaved groups for R activation rows against C weight rows at once, into
+// `sums` (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
+// Why: row_times_rows takes one weight row at a time, so with many activation rows (prefill,
+// a batch's packed pass) every activation byte is loaded once per weight row, and the
+// loads, the nibble unpacking and the short dot-product chains leave the VNNI units idle
+// most of the time (about a fifth of their rate measured at 128 rows). Here each 64-byte
+// activation load feeds C dot products and each unpacked weight vector R of them, in R x C
+// independent chains. Per (row, weight row) pair the float operations are row_times_rows'
+// own, in the same order (the integer sums are exact in any order), so the bits are the same.
+template <int R, int C>
+inline void grouped_sums_block(const uint8_t* w, int64_t row_bytes, const uint16_t* scale, const uint16_t* offset,
+                               const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t nb,
+                               float* sums) {
+  const int64_t grouped = grouped_blocks(nb);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[C][R];  // in registers across the groups (through memory it measured a third slower)
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < grouped; g += kGroup) {
+    __m512i s[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) s[c][r] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) {  // k < 4: low nibbles of each weight row's 64 bytes k; k >= 4: high ones of k - 4
+      __m512i u[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + c * row_bytes + g * 16 + 64 * (k & 3));
+        u[c] = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(xq + r * K + g * kBlock + 64 * k);
+        for (int c = 0; c < C; ++c) s[c][r] = _mm512_dpbusd_epi32(s[c][r], u[c], x);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c * nb + g)));
+      const __m512 os = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + c * nb + g)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xd + r * nb + g)),
+                                         _mm512_cvtepi32_ps(s[c][r]), acc[c][r]);
+        acc[c][r] = _mm512_fmadd_ps(os, _mm512_loadu_ps(xs + r * nb + g), a);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + 16 * (c * R + r), acc[c][r]);
+}
+
+// Each of up to 16 (weight row, row) pairs' 16 lanes (`sums`, float [count][16]) summed to
+// one float, into `totals` [count]: the tree row_times_rows takes when every block is in a
+// group (lane i + lane i+8, then i + i+4, i + i+2, i + i+1, then + 0 for its empty remainder:
+// the same bits), for 16 pairs at once: 30 shuffles and 15 additions instead of 16 reductions.
+inline void reduce_lanes(const float* sums, int count, float* totals) {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < count ? _mm512_loadu_ps(sums + 16 * i) : _mm512_setzero_ps();
+  __m512 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)  // lanes i and i + 8 of two pairs: each now holds 8 values
+    l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // i and i + 4: four pairs of 4 values
+    l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // i and i + 2 in each 128-bit lane
+    l3[i] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 last = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, _mm512_add_ps(last, _mm512_setzero_ps()));  // + 0: row_times_rows' empty remainder (-0 becomes +0)
+  for (int i = 0; i < count; ++i) totals[i] = lanes[(i & 3) * 4 + (i >> 2)];  // pair i ends in lane 4 (i % 4) + i / 4
+}
+
+using BlockKernel = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, const int8_t*, const float*,
+                            const float*, int64_t, int64_t, float*);
+
+template <int R, int... C>
+constexpr std::array<BlockKernel, sizeof...(C)> block_row_of(std::integer_sequence<int, C...>) {
+  return {&grouped_sums_block<R, C + 1>...};
+}
+template <int... R>
+constexpr std::array<std::array<BlockKernel, kColsPerBlock>, sizeof...(R)> block_table_of(std::integer_sequence<int, R...>) {
+  return {block_row_of<R + 1>(std::make_integer_sequence<int, kColsPerBlock>{})...};
+}
+// grouped_sums_block for 1..kRowsPerChunk rows and 1..kColsPerBlock weight rows
+BlockKernel block_kernel(int64_t rows, int64_t cols) {
+  static constexpr auto table = block_table_of(std::make_integer_sequence<int, kRowsPerChunk>{});
+  return table[rows - 1][cols - 1];
+}
+#endif
+
 using RowsKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const int8_t*, const float*,
-                           const float*, int64_t, int64_t, float*);
+                           const float*, int64_t, int64_t, float*, const float*);
 
 // row_times_rows for 1..kRowsPerChunk activation rows, picked at run time
 template <bool Int4, int... R>
@@ -367,8 +491,19 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   // from cache, and each chunk's activations stay in L1 across the tile. Each output is still
   // computed by the same row_times_rows call, so the loop order changes no bit.
   const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
+#ifdef SPIRIT_WIDE
+  // Column blocks pay once a chunk has more than one activation row (one row is bound by
+  // reading the weights); SPIRIT_BLOCKED_MIN_ROWS moves that point for A/B runs.
+#ifndef SPIRIT_BLOCKED_MIN_ROWS
+#define SPIRIT_BLOCKED_MIN_ROWS 2
+#endif
+  const bool blocked = M >= SPIRIT_BLOCKED_MIN_ROWS && grouped_blocks(nb) > 0;
+#endif
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[kRowsPerChunk];
+#ifdef SPIRIT_WIDE
+    alignas(64) float grouped_sums[kColsPerBlock * kRowsPerChunk * 16];
+#endif
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
       const int64_t n1 = std::min(end, n0 + tile);
       for (int64_t m = 0; m < M; m += kRowsPerChunk) {
@@ -376,11 +511,39 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
         const int8_t* x = xp + m * K;
         const float* d = dp + m * nb;
         const float* sums = xs + m * nb;
+#ifdef SPIRIT_WIDE
+        if constexpr (Int4) {
+          if (blocked) {
+          for (int64_t n = n0; n < n1; n += kColsPerBlock) {
+            const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
+            block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, sums, K, nb,
+                                     grouped_sums);
+            if (grouped_blocks(nb) == nb) {  // nothing after the groups: all pairs reduced at once
+              float totals[kColsPerBlock * kRowsPerChunk];
+              reduce_lanes(grouped_sums, static_cast<int>(rows * cols), totals);
+              for (int64_t c = 0; c < cols; ++c)
+                for (int64_t r = 0; r < rows; ++r) {
+                  const float total = totals[c * rows + r];
+                  yp[(m + r) * N + n + c] = static_cast<T>(bias ? total + bias[n + c] : total);
+                }
+              continue;
+            }
+            for (int64_t c = 0; c < cols; ++c) {
+              rows_kernel<Int4>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, sums, K,
+                                      nb, out, grouped_sums + 16 * rows * c);
+              for (int64_t r = 0; r < rows; ++r)
+                yp[(m + r) * N + n + c] = static_cast<T>(bias ? out[r] + bias[n + c] : out[r]);
+            }
+          }
+          continue;
+          }
+        }
+#endif
         for (int64_t n = n0; n < n1; ++n) {
           const uint8_t* w = wp + n * row_bytes;
           const uint16_t* s = sp + n * nb;
           const uint16_t* o = Int4 ? op + n * nb : nullptr;
-          rows_kernel<Int4>(rows)(w, s, o, x, d, sums, K, nb, out);
+          rows_kernel<Int4>(rows)(w, s, o, x, d, sums, K, nb, out, nullptr);
           for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
         }
       }
