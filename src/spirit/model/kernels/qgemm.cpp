@@ -369,7 +369,8 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
 }
 
 #ifdef SPIRIT_WIDE
-constexpr int kColsPerBlock = 2;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
+constexpr int kColsPerBlock = 2;
+static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
 
 // int4's interleaved groups for R activation rows against C weight rows at once, into
 // `sums` (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
@@ -502,7 +503,7 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[kRowsPerChunk];
 #ifdef SPIRIT_WIDE
-    alignas(64) float grouped_sums[kColsPerBlock * kRowsPerChunk * 16];
+    alignas(64) float grouped_sums[16 * 16];  // up to 16 (weight row, row) pairs' lanes
 #endif
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
       const int64_t n1 = std::min(end, n0 + tile);
@@ -514,20 +515,28 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 #ifdef SPIRIT_WIDE
         if constexpr (Int4) {
           if (blocked) {
-          for (int64_t n = n0; n < n1; n += kColsPerBlock) {
-            const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
-            block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, sums, K, nb,
-                                     grouped_sums);
-            if (grouped_blocks(nb) == nb) {  // nothing after the groups: all pairs reduced at once
-              float totals[kColsPerBlock * kRowsPerChunk];
+          if (grouped_blocks(nb) == nb) {  // nothing after the groups: 16 (weight row, row) pairs reduced at once
+            const int64_t step = 16 / rows / kColsPerBlock * kColsPerBlock;  // weight rows per reduction
+            for (int64_t n = n0; n < n1; n += step) {
+              const int64_t cols = std::min<int64_t>(step, n1 - n);
+              for (int64_t c = 0; c < cols; c += kColsPerBlock)
+                block_kernel(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
+                    wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, sums, K, nb,
+                    grouped_sums + 16 * rows * c);
+              float totals[16];
               reduce_lanes(grouped_sums, static_cast<int>(rows * cols), totals);
               for (int64_t c = 0; c < cols; ++c)
                 for (int64_t r = 0; r < rows; ++r) {
                   const float total = totals[c * rows + r];
                   yp[(m + r) * N + n + c] = static_cast<T>(bias ? total + bias[n + c] : total);
                 }
-              continue;
             }
+            continue;
+          }
+          for (int64_t n = n0; n < n1; n += kColsPerBlock) {
+            const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
+            block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, sums, K, nb,
+                                     grouped_sums);
             for (int64_t c = 0; c < cols; ++c) {
               rows_kernel<Int4>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, sums, K,
                                       nb, out, grouped_sums + 16 * rows * c);
