@@ -389,8 +389,8 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
 }
 
 #ifdef SPIRIT_WIDE
-constexpr int kColsPerBlock = 2;
-static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
+constexpr int kColsPerBlock = 2;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
+static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");
 
 // int4's interleaved groups for R activation rows against C weight rows at once, into
 // `sums` (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
@@ -496,6 +496,46 @@ RowsKernel rows_kernel(int64_t rows) {
   return rows_kernel_of<Int4>(rows, std::make_integer_sequence<int, kRowsPerChunk>{});
 }
 
+#ifdef SPIRIT_WIDE
+// `rows` (<= kRowsPerChunk) activation rows against int4 weight rows [n0, n1), two weight rows
+// at a time (grouped_sums_block); the blocks after the groups, if any, and the reductions as
+// row_times_rows does them. Outputs go to y [rows, N] (columns n0..n1).
+template <typename T>
+void int4_chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, const int8_t* x, const float* d,
+                        const float* code_sums, int64_t K, int64_t nb, int64_t rows, int64_t n0, int64_t n1,
+                        bool streaming, const float* bias, T* y, int64_t N) {
+  const int64_t row_bytes = K / 2;
+  alignas(64) float grouped_sums[16 * 16];  // up to 16 (weight row, row) pairs' lanes
+  auto put = [&](int64_t r, int64_t n, float total) { y[r * N + n] = static_cast<T>(bias ? total + bias[n] : total); };
+  if (grouped_blocks(nb) == nb) {  // nothing after the groups: up to 16 pairs reduced at once
+    const int64_t step = 16 / rows / kColsPerBlock * kColsPerBlock;  // weight rows per reduction
+    for (int64_t n = n0; n < n1; n += step) {
+      const int64_t cols = std::min<int64_t>(step, n1 - n);
+      for (int64_t c = 0; c < cols; c += kColsPerBlock)
+        block_kernel(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
+            wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, code_sums, K, nb,
+            grouped_sums + 16 * rows * c, streaming);
+      float totals[16];
+      reduce_lanes(grouped_sums, static_cast<int>(rows * cols), totals);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t r = 0; r < rows; ++r) put(r, n + c, totals[c * rows + r]);
+    }
+    return;
+  }
+  float out[kRowsPerChunk];
+  for (int64_t n = n0; n < n1; n += kColsPerBlock) {
+    const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
+    block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, code_sums, K, nb,
+                             grouped_sums, streaming);
+    for (int64_t c = 0; c < cols; ++c) {
+      rows_kernel<true>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, code_sums, K, nb,
+                              out, grouped_sums + 16 * rows * c, streaming);
+      for (int64_t r = 0; r < rows; ++r) put(r, n + c, out[r]);
+    }
+  }
+}
+#endif
+
 template <bool Int4, typename T>
 void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
           const float* bias, at::Tensor& y) {
@@ -511,7 +551,8 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   // Many rows (prefill, wide verification): a tile of weight rows is taken against every chunk
   // of activation rows before the next tile, so the tile is read from memory once and then
   // from cache, and each chunk's activations stay in L1 across the tile. Each output is still
-  // computed by the same row_times_rows call, so the loop order changes no bit.
+  // computed by the same operations (row_times_rows', or for int4 chunks of several rows
+  // int4_chunk_blocked's, which are the same per output), so the loop order changes no bit.
   const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
 #ifdef SPIRIT_WIDE
   // Column blocks pay once a chunk has more than one activation row (one row is bound by
@@ -523,9 +564,6 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 #endif
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float out[kRowsPerChunk];
-#ifdef SPIRIT_WIDE
-    alignas(64) float grouped_sums[16 * 16];  // up to 16 (weight row, row) pairs' lanes
-#endif
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
       const int64_t n1 = std::min(end, n0 + tile);
       for (int64_t m = 0; m < M; m += kRowsPerChunk) {
@@ -536,36 +574,8 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 #ifdef SPIRIT_WIDE
         if constexpr (Int4) {
           if (blocked) {
-          if (grouped_blocks(nb) == nb) {  // nothing after the groups: 16 (weight row, row) pairs reduced at once
-            const int64_t step = 16 / rows / kColsPerBlock * kColsPerBlock;  // weight rows per reduction
-            for (int64_t n = n0; n < n1; n += step) {
-              const int64_t cols = std::min<int64_t>(step, n1 - n);
-              for (int64_t c = 0; c < cols; c += kColsPerBlock)
-                block_kernel(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
-                    wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, sums, K, nb,
-                    grouped_sums + 16 * rows * c, m == 0);
-              float totals[16];
-              reduce_lanes(grouped_sums, static_cast<int>(rows * cols), totals);
-              for (int64_t c = 0; c < cols; ++c)
-                for (int64_t r = 0; r < rows; ++r) {
-                  const float total = totals[c * rows + r];
-                  yp[(m + r) * N + n + c] = static_cast<T>(bias ? total + bias[n + c] : total);
-                }
-            }
+            int4_chunk_blocked(wp, sp, op, x, d, sums, K, nb, rows, n0, n1, m == 0, bias, yp + m * N, N);
             continue;
-          }
-          for (int64_t n = n0; n < n1; n += kColsPerBlock) {
-            const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
-            block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, sums, K, nb,
-                                     grouped_sums, m == 0);
-            for (int64_t c = 0; c < cols; ++c) {
-              rows_kernel<Int4>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, sums, K,
-                                      nb, out, grouped_sums + 16 * rows * c, m == 0);
-              for (int64_t r = 0; r < rows; ++r)
-                yp[(m + r) * N + n + c] = static_cast<T>(bias ? out[r] + bias[n + c] : out[r]);
-            }
-          }
-          continue;
           }
         }
 #endif
