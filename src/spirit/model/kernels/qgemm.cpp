@@ -50,6 +50,9 @@ constexpr int64_t kBlock = 32;
 #endif
 constexpr int64_t kRowsPerChunk = SPIRIT_ROWS_PER_CHUNK;  // activation rows that share one read of a weight row
 constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see the formats)
+#ifndef SPIRIT_BLOCKED_MIN_ROWS
+#define SPIRIT_BLOCKED_MIN_ROWS 2  // int4 products of this many rows or more take two weight rows at a time
+#endif
 #ifndef SPIRIT_TILE_BYTES
 #define SPIRIT_TILE_BYTES 32768
 #endif
@@ -185,7 +188,8 @@ inline WeightBlocks int4_pair(const uint8_t* w) {
 #endif
 // A weight row's bytes are read once per product, from memory: asking now for the same
 // `lines` cache lines SPIRIT_PREFETCH_ROWS weight rows further on overlaps that read with the
-// dot products (one-row products of qwen2.5-coder-1.5b measured 1.15-1.4x faster, no bit changed).
+// dot products (one-row products of qwen2.5-coder-1.5b's 768-byte rows measured 1.15-1.5x faster on a
+// Xeon, rows of 4480 bytes about the same; no bit changed).
 // Only the first chunk of activation rows against a tile of weight rows reads it from memory;
 // the later chunks find it in cache, and asking for rows past the tile would evict it.
 // (GCC 12 drops prefetches under an early return or an `if` block: the count of lines is zeroed
@@ -557,9 +561,6 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 #ifdef SPIRIT_WIDE
   // Column blocks pay once a chunk has more than one activation row (one row is bound by
   // reading the weights); SPIRIT_BLOCKED_MIN_ROWS moves that point for A/B runs.
-#ifndef SPIRIT_BLOCKED_MIN_ROWS
-#define SPIRIT_BLOCKED_MIN_ROWS 2
-#endif
   const bool blocked = M >= SPIRIT_BLOCKED_MIN_ROWS && grouped_blocks(nb) > 0;
 #endif
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
