@@ -49,6 +49,19 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return (q * scale.half().double()[..., None] + offset[..., None]).reshape(out_features, in_features)
 
 
+def int8_weight(packed: PackedWeight) -> torch.Tensor:
+    """float64 [out, in] of a packed int8 weight, its codes read back from the grouped layout
+    (kernels/qgemm.cpp: byte 64k + 4l + j of a group of 16 blocks is input 4k + j of block l)."""
+    out_features, in_features = packed.codes.shape
+    blocks = in_features // INT4_GROUP
+    grouped = blocks // 16 * 16
+    groups = packed.codes[:, : grouped * INT4_GROUP].reshape(out_features, grouped // 16, 8, 16, 4)
+    codes = torch.cat([groups.permute(0, 1, 3, 2, 4).reshape(out_features, -1), packed.codes[:, grouped * INT4_GROUP :]],
+                      dim=1)
+    return (codes.double().reshape(out_features, blocks, INT4_GROUP)
+            * packed.scales.double()[..., None]).reshape(out_features, in_features)
+
+
 @needs_kernel
 @settings(max_examples=25, deadline=None)
 @given(blocks=st.integers(1, 40), out_features=st.integers(1, 40), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
@@ -89,17 +102,18 @@ def test_many_rows_across_weight_tiles_are_row_invariant(fmt, blocks, out_featur
     x = torch.randn(rows, in_features).bfloat16()
     y = packed.matmul(x)
     assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(rows)]), y)
-    if fmt == "int4":
-        expected = quantized_activations(x) @ int4_weight(codes, scale, zero).T
-        assert torch.allclose(y.double(), expected, rtol=2e-2, atol=2e-2)  # bf16 outputs
+    dense = int4_weight(codes, scale, zero) if fmt == "int4" else int8_weight(packed)
+    assert torch.allclose(y.double(), quantized_activations(x) @ dense.T, rtol=2e-2, atol=2e-2)  # bf16 outputs
 
 
-def _extreme_int4_products() -> None:
-    """The largest integer sums int4 can produce: every code 15 against every activation code
-    +127 or -127 (a block of equal values), over K = 1536 (3 groups of 16 blocks) and 1568 (a
-    lone last block after them). Without VNNI the kernel adds 8 byte-pair products in int16
-    before widening (at most 8 * 2 * 15 * 127 = 30480): an overflow there would show here as a
-    wrong sum. Checked against the definition and one row at a time."""
+def _extreme_products() -> None:
+    """The largest integer sums the formats can produce. int4: every code 15 against every
+    activation code +127 or -127 (a block of equal values), over K = 1536 (3 groups of 16
+    blocks) and 1568 (a lone last block after them). Without VNNI the kernel adds 8 byte-pair
+    products in int16 before widening (at most 8 * 2 * 15 * 127 = 30480): an overflow there
+    would show here as a wrong sum. int8: codes +-127 against +-127, where VNNI adds 128 to
+    each code (to 255) and takes 128 * sum(q) off again, and maddubs takes the weight's sign
+    onto x. Checked against the definition and one row at a time."""
     for in_features in (1536, 1568):
         blocks = in_features // INT4_GROUP
         codes = torch.full((6, in_features), 15, dtype=torch.uint8)
@@ -114,31 +128,42 @@ def _extreme_int4_products() -> None:
         reference = quantized_activations(x) @ int4_weight(codes, scale, zero).T
         assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-3), (in_features, (y.double() - reference).abs().max())
         assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(len(x))]), y)
+        # int8: a block's weights all +-1 (codes +-127), some blocks negative, some rows mixed
+        weight = sign.repeat(6, 1)
+        weight[1::2, ::3] = -weight[1::2, ::3]
+        packed8 = quantize_int8(weight, torch.float32)
+        assert packed8.kernel == "spirit" and int(packed8.codes.abs().min()) == 127
+        y8 = packed8.matmul(x)
+        reference8 = quantized_activations(x) @ int8_weight(packed8).T
+        assert torch.allclose(y8.double(), reference8, rtol=1e-5, atol=1e-3), (in_features, (y8.double() - reference8).abs().max())
+        assert torch.equal(torch.cat([packed8.matmul(x[i : i + 1]) for i in range(len(x))]), y8)
 
 
 @needs_kernel
 @pytest.mark.parametrize("held_to_avx2", [False, True], ids=["native", "avx2"])
-def test_int4_sums_at_their_largest_are_exact(held_to_avx2):
+def test_sums_at_their_largest_are_exact(held_to_avx2):
     """The extreme products under this CPU's kernel and under the AVX2 build (maddubs, the
     path AVX2-only CPUs such as AMD's Zen 2/3 EPYCs take), which runs in a fresh process:
     the build is chosen when the kernel first loads."""
     if not held_to_avx2:
-        _extreme_int4_products()
+        _extreme_products()
         return
     import subprocess
     import sys
 
     from spirit.model.probe import AVX2_HELD_ENV
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_qgemm; from spirit.model import qgemm; "
-              "assert qgemm.status().isa == 'avx2', qgemm.status(); test_qgemm._extreme_int4_products()")
+              "assert qgemm.status().isa == 'avx2', qgemm.status(); test_qgemm._extreme_products()")
     done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env={**os.environ, **AVX2_HELD_ENV},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 @needs_kernel
-@settings(max_examples=15, deadline=None)
-@given(blocks=st.integers(1, 7), out_features=st.integers(1, 24), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+@given(blocks=st.integers(1, 40), out_features=st.integers(1, 24), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+@example(blocks=16, out_features=3, rows=5, seed=0)  # one group exactly
+@example(blocks=41, out_features=17, rows=9, seed=1)  # two groups and 9 blocks in order after them
 def test_int8_product_matches_its_definition_and_is_row_invariant(blocks, out_features, rows, seed):
     torch.manual_seed(seed)
     in_features = blocks * INT4_GROUP
@@ -146,8 +171,7 @@ def test_int8_product_matches_its_definition_and_is_row_invariant(blocks, out_fe
     packed = quantize_int8(weight, torch.float32)
     assert packed.kernel == "spirit" and packed.codes.dtype == torch.int8
     assert int(packed.codes.abs().max()) <= 127  # the sign trick needs |code| <= 127
-    dequantized = (packed.codes.double().reshape(out_features, blocks, INT4_GROUP)
-                   * packed.scales.double()[..., None]).reshape(out_features, in_features)
+    dequantized = int8_weight(packed)
     x = torch.randn(rows, in_features)
     y = packed.matmul(x)
     assert torch.allclose(y.double(), quantized_activations(x) @ dequantized.T, rtol=1e-4, atol=1e-4)
@@ -170,12 +194,24 @@ def test_int4_dequantize_unpacks_every_layout_region(blocks):
 
 
 @needs_kernel
-def test_a_packing_kept_in_an_older_layout_is_refused():
-    codes, scale, zero = int4_groups(torch.randn(4, 64))
-    state = pack_int4(codes, scale, zero).tensors()
-    state.pop("layout")  # what a packing kept before the grouped layout holds
+@pytest.mark.parametrize("blocks", [1, 15, 16, 17, 41])
+def test_int8_dequantize_unpacks_every_layout_region(blocks):
+    torch.manual_seed(blocks)
+    packed = quantize_int8(torch.randn(5, blocks * INT4_GROUP))
+    dense = qgemm.dequantize(packed.codes, packed.scales, packed.offsets,
+                             torch.empty(5, blocks * INT4_GROUP, dtype=torch.bfloat16), 8)
+    assert torch.equal(dense, int8_weight(packed).float().to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_packing_kept_in_an_older_layout_is_refused(fmt):
+    weight = torch.randn(4, 64)
+    state = (pack_int4(*int4_groups(weight)) if fmt == "int4" else quantize_int8(weight)).tensors()
+    state.pop("layout")  # what a packing kept before the grouped layouts holds
     with pytest.raises(ValueError, match="layout"):
         PackedWeight.from_tensors(state)
+    assert PackedWeight.from_tensors({**state, "layout": "groups-of-16"}).fmt == fmt
 
 
 @needs_kernel

@@ -12,7 +12,7 @@
 On x86-64 CPUs where spirit's own kernel builds (model/qgemm.py), it runs both formats
 instead: int4 as above but with float16 scale and offset per group of 32 (w = q * scale +
 offset), int8 symmetric per block of 32 inputs (not per channel), both with int8-quantized
-activations. It streams packed weights about 1.3x faster than torch's int4 op and is
+activations and both with their blocks interleaved in groups of 16 (kernels/qgemm.cpp, "Formats"). It streams packed weights about 1.3x faster than torch's int4 op and is
 row-invariant by construction. `PackedWeight` is a packed weight with the kernel that runs it:
 the one value every user of these formats (low-bit targets, quantized drafts, the probe) holds.
 """
@@ -26,9 +26,9 @@ import torch
 from spirit.model import qgemm
 
 INT4_GROUP = 32  # inputs per int4 scale: smaller groups are more accurate and cost the same here
-GROUP_BLOCKS = 16  # int4 blocks interleaved together in spirit's layout (kernels/qgemm.cpp)
-# names spirit's int4 layout in kept packings: one packed with another layout is packed again
-SPIRIT_INT4_LAYOUT = "groups-of-16"
+GROUP_BLOCKS = 16  # blocks interleaved together in spirit's layouts (kernels/qgemm.cpp)
+# names spirit's layouts in kept packings: one packed with another layout is packed again
+SPIRIT_LAYOUT = {"int4": "groups-of-16", "int8": "groups-of-16"}
 _INT4_INNER_K_TILES = 1  # packing parameter of the CPU kernel (any valid value works on CPU)
 _INT4_INNER_K_TILES_CUDA = 8  # tinygemm's tiling: in_features must be a multiple of 16 x this
 
@@ -65,7 +65,8 @@ class PackedWeight:
     """A weight [out, in] in a packed format, with the kernel that multiplies by it.
 
     kernel "spirit" (model/qgemm.py): int4 codes nibble-packed in groups of 16 blocks, float16
-    `scales` and `offsets` [out, in // 32]; int8 codes [out, in], float16 `scales` per block.
+    `scales` and `offsets` [out, in // 32]; int8 codes [out, in] in groups of 16 blocks, float16
+    `scales` per block.
     kernel "torch": torch's packed layouts; `scales` in the activation dtype the op needs.
     """
 
@@ -99,14 +100,14 @@ class PackedWeight:
                 "out_features": self.out_features, "in_features": self.in_features}
 
     def _layout(self) -> str:
-        return SPIRIT_INT4_LAYOUT if (self.fmt, self.kernel) == ("int4", "spirit") else ""
+        return SPIRIT_LAYOUT[self.fmt] if self.kernel == "spirit" else ""
 
     @classmethod
     def from_tensors(cls, state: dict) -> "PackedWeight":
         """Raises ValueError for a packing kept with another layout (the caller packs again)."""
-        expected = SPIRIT_INT4_LAYOUT if (state["format"], state["kernel"]) == ("int4", "spirit") else ""
-        if state.get("layout", "pairs" if expected else "") != expected:
-            raise ValueError(f"a kept packing in layout {state.get('layout', 'pairs')!r}, not {expected!r}")
+        expected = SPIRIT_LAYOUT[state["format"]] if state["kernel"] == "spirit" else ""
+        if state.get("layout", "") != expected:  # older packings: int4 in pairs, int8 blocks in order
+            raise ValueError(f"a kept packing in layout {state.get('layout', '')!r}, not {expected!r}")
         return cls(state["format"], state["kernel"], state["codes"], state["scales"], state["offsets"],
                    getattr(torch, state["activation"]), state["out_features"], state["in_features"])
 
@@ -185,6 +186,18 @@ def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1).contiguous()
 
 
+def _byte_groups(codes: torch.Tensor) -> torch.Tensor:
+    """spirit's int8 layout (kernels/qgemm.cpp, "Formats"): the first 16 * (blocks // 16) blocks
+    of 32 in groups of 16, byte 64k + 4l + j of a group = input 4k + j of block l; the rest in order."""
+    out_features, in_features = codes.shape
+    blocks = in_features // INT4_GROUP
+    grouped = blocks // GROUP_BLOCKS * GROUP_BLOCKS
+    # [out, group, block l, k, j] -> [out, group, k, l, j]
+    groups = codes[:, : grouped * INT4_GROUP].reshape(out_features, grouped // GROUP_BLOCKS, GROUP_BLOCKS, 8, 4)
+    return torch.cat([groups.permute(0, 1, 3, 2, 4).reshape(out_features, -1), codes[:, grouped * INT4_GROUP :]],
+                     dim=1).contiguous()
+
+
 def quantize_int8(weight: torch.Tensor, activation: torch.dtype = torch.bfloat16) -> PackedWeight:
     """Symmetric int8, q in [-127, 127]: per block of 32 inputs for spirit's kernel, per output
     channel for torch's."""
@@ -195,7 +208,7 @@ def quantize_int8(weight: torch.Tensor, activation: torch.dtype = torch.bfloat16
         scale = (blocks.abs().amax(dim=-1) / 127.0).clamp(min=1e-12).half().float()
         if _fits_half(scale):
             q = torch.round(blocks / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(out_features, in_features)
-            return PackedWeight("int8", "spirit", q.contiguous(), scale.half().contiguous(), None, activation,
+            return PackedWeight("int8", "spirit", _byte_groups(q), scale.half().contiguous(), None, activation,
                                 out_features, in_features)
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)

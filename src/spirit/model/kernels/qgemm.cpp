@@ -23,9 +23,14 @@
 //         the low nibble and input j of its second block in the high one (a lone last block:
 //         inputs j and j+16). The activations' int8 codes take the same order (grouped_index).
 //         Numbers of this layout: kInt4Layout (model/quantize.py packs it).
-//   int8: codes int8 [N, K] in [-127, 127], w = code * scale[n, b]  (offset: empty)
+//   int8: codes int8 [N, K] in [-127, 127], w = code * scale[n, b]  (offset: empty). The first
+//         16 * floor(K/512) blocks come in groups of 16 (512 bytes) in the same order as int4's
+//         activations: byte 64k + 4l + j of a group holds input 4k + j of its block l (k < 8,
+//         l < 16, j < 4), so one VNNI dot product over 64 bytes leaves block l's partial sum in
+//         lane l, as for int4. The blocks after the groups come in order.
 // Activations: q = round(x / d), d = max|x| / 127 per block of 32, so sum(w x) over a block is
-// scale * d * sum(code * q) + offset * d * sum(q).
+// scale * d * sum(code * q) + offset * d * sum(q). Both formats take the activations' codes in
+// the grouped order (grouped_index).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -58,18 +63,29 @@ constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see 
 #endif
 constexpr int64_t kTileBytes = SPIRIT_TILE_BYTES;  // packed weight bytes taken against all activation rows at once
 
-// Blocks of a row that are in interleaved groups (int4), and where an activation's input j of
-// block b goes in the grouped order.
+// Blocks of a row that are in interleaved groups, and where an activation's input j of block b
+// goes in the grouped order (input j of block l of a group at 64 (j / 4) + 4 l + j % 4).
 inline int64_t grouped_blocks(int64_t nb) { return nb / kGroup * kGroup; }
 inline int64_t grouped_index(int64_t b, int64_t j, int64_t grouped) {
   if (b >= grouped) return b * kBlock + j;
-  return (b / kGroup) * kGroup * kBlock + (j % 16 / 4) * 64 + (j / 16) * 256 + (b % kGroup) * 4 + j % 4;
+  return (b / kGroup) * kGroup * kBlock + (j / 4) * 64 + (b % kGroup) * 4 + j % 4;
 }
 
 struct QuantizedRows {
-  at::Tensor codes;   // int8 [M, K]
-  at::Tensor scale;   // float [M, K/32]: d
-  at::Tensor sum;     // float [M, K/32]: d * sum of the block's codes
+  at::Tensor codes;     // int8 [M, K], in the grouped order
+  at::Tensor scale;     // float [M, K/32]: d
+  at::Tensor sum;       // float [M, K/32]: d * sum of the block's codes
+  at::Tensor code_sum;  // int32 [M, K/32]: sum of the block's codes
+};
+
+// Where a kernel reads activation rows: from row m of QuantizedRows on.
+struct Rows {
+  const int8_t* codes;
+  const float* scale;
+  const float* sum;
+  const int32_t* code_sum;
+  int64_t K, nb;
+  Rows from(int64_t m) const { return {codes + m * K, scale + m * nb, sum + m * nb, code_sum + m * nb, K, nb}; }
 };
 
 // 8 floats of a row (float32 or bfloat16) from `p`
@@ -84,16 +100,18 @@ inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a 
 // 128 rows against the 8960-wide down projection spent a quarter of its time here, scalar);
 // the same arithmetic as one value at a time: max |x| exactly, d = max / 127 and 1 / d in
 // scalar float, codes rounded to nearest even as nearbyint does, an exact integer sum.
-// `grouped`: the codes in int4's grouped order (grouped_index), for the int4 kernel.
+// The codes go in the grouped order (grouped_index) that both weight formats use.
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x, bool grouped) {
+QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
-  QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat)};
+  QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat),
+                  at::empty({M, nb}, at::kInt)};
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.codes.data_ptr<int8_t>();
   float* dp = q.scale.data_ptr<float>();
   float* sp = q.sum.data_ptr<float>();
-  const int64_t in_groups = grouped ? grouped_blocks(nb) : 0;
+  int32_t* cp = q.code_sum.data_ptr<int32_t>();
+  const int64_t in_groups = grouped_blocks(nb);
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t i = begin; i < end; ++i) {
@@ -130,6 +148,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, bool grouped) {
       }
       dp[i] = d;
       sp[i] = d * static_cast<float>(total);
+      cp[i] = total;
     }
   });
   return q;
@@ -200,15 +219,52 @@ inline void prefetch_ahead(bool streaming, const uint8_t* here, int64_t row_byte
   for (int line = 0; line < lines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
 }
 
+#ifdef SPIRIT_WIDE
+// A group's weight bytes as the unsigned operand of the dot products, step k of 8 (64 bytes
+// each; see the formats). int4: the low nibbles of bytes 64k.. (k < 4) or the high ones of
+// 64(k - 4).. . int8: the codes plus 128 (a flipped sign bit), in 1..255, so that one VNNI dot
+// product needs no sign work per activation row; the 128 * sum(q) this adds is taken off the
+// exact integer sums (take_off_bias), so the sums are sum(code * q) exactly.
+template <bool Int4>
+inline __m512i group_step(const uint8_t* group, int k) {
+  if constexpr (Int4) {
+    const __m512i v = _mm512_loadu_si512(group + 64 * (k & 3));
+    return _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_xor_si512(_mm512_loadu_si512(group + 64 * k), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+template <bool Int4>
+inline __m512i take_off_bias(__m512i sums, const int32_t* code_sum) {
+  if constexpr (Int4) return sums;
+  return _mm512_sub_epi32(sums, _mm512_slli_epi32(_mm512_loadu_si512(code_sum), 7));
+}
+// A group's float step for one (weight row, row) pair, 16 blocks in 16 lanes: acc +=
+// (weight scale * activation scale) * sum, then (int4) + offset * (activation scale * sum of
+// codes). Integer sums are exact, so only these roundings per block count.
+template <bool Int4>
+inline __m512 group_update(__m512 acc, __m512 ws, __m512 os, const float* xd, const float* xs, __m512i sums) {
+  const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xd)), _mm512_cvtepi32_ps(sums), acc);
+  if constexpr (Int4) return _mm512_fmadd_ps(os, _mm512_loadu_ps(xs), a);
+  return a;
+}
+inline __m512 half16_to_float(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // One weight row against R activation rows. Each row keeps two accumulators (even and odd
 // blocks) so that consecutive blocks do not wait on one another; the per-block factor
 // (weight scale times activation scale) is formed 8 blocks at a time and broadcast by lane.
 // `grouped_sums`: R partial sums over the interleaved groups already formed by
 // grouped_sums_block (the same operations, see there), or nullptr to form them here.
 template <int R, bool Int4>
-inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16_t* offset,
-                           const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t nb,
+inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, const Rows& x,
                            float* out, const float* grouped_sums, bool streaming) {
+  const int8_t* xq = x.codes;
+  const float* xd = x.scale;
+  const float* xs = x.sum;
+  const int64_t K = x.K, nb = x.nb;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int64_t row_bytes_per_block = Int4 ? 16 : 32;
@@ -223,10 +279,9 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   __m512 wide[R][2];
   for (int r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm512_setzero_ps();
 #endif
-  // int4's interleaved groups: 8 dot products leave 16 blocks' integer sums in 16 lanes, then
-  // acc += (weight scale * activation scale) * sum + offset * (activation scale * sum of codes),
-  // one lane per block. Integer sums are exact, so only these two roundings per block count.
-  const int64_t grouped = Int4 ? grouped_blocks(nb) : 0;
+  // the interleaved groups: 8 dot products leave 16 blocks' integer sums in 16 lanes, then
+  // one float step per 16 blocks (group_update)
+  const int64_t grouped = grouped_blocks(nb);
   __m256 group_acc[R][2];
   for (int r = 0; r < R; ++r) group_acc[r][0] = group_acc[r][1] = _mm256_setzero_ps();
 #ifdef SPIRIT_WIDE
@@ -234,17 +289,12 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
   for (int r = 0; r < R; ++r)
     group_wide[r] = grouped_sums ? _mm512_loadu_ps(grouped_sums + 16 * r) : _mm512_setzero_ps();
   for (int64_t g = 0; grouped_sums == nullptr && g < grouped; g += kGroup) {
-    const uint8_t* wg = w + g * 16;
-    prefetch_ahead(streaming, wg, row_bytes, 4);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const uint8_t* wg = w + g * row_bytes_per_block;
+    prefetch_ahead(streaming, wg, row_bytes, Int4 ? 4 : 8);
     __m512i u[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(wg + 64 * c);
-      u[c] = _mm512_and_si512(v, low);
-      u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g)));
-    const __m512 os = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + g)));
+    for (int k = 0; k < 8; ++k) u[k] = group_step<Int4>(wg, k);
+    const __m512 ws = half16_to_float(scale + g);
+    const __m512 os = Int4 ? half16_to_float(offset + g) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * K + g * kBlock;
       __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_loadu_si512(xg));
@@ -253,51 +303,60 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
         s0 = _mm512_dpbusd_epi32(s0, u[k], _mm512_loadu_si512(xg + 64 * k));
         s1 = _mm512_dpbusd_epi32(s1, u[k + 1], _mm512_loadu_si512(xg + 64 * (k + 1)));
       }
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      group_wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xd + r * nb + g)), sums, group_wide[r]);
-      group_wide[r] = _mm512_fmadd_ps(os, _mm512_loadu_ps(xs + r * nb + g), group_wide[r]);
+      const __m512i sums = take_off_bias<Int4>(_mm512_add_epi32(s0, s1), x.code_sum + r * nb + g);
+      group_wide[r] = group_update<Int4>(group_wide[r], ws, os, xd + r * nb + g, xs + r * nb + g, sums);
     }
   }
 #else
   for (int64_t g = 0; g < grouped; g += kGroup) {
-    prefetch_ahead(streaming, w + g * 16, row_bytes, 4);
+    prefetch_ahead(streaming, w + g * row_bytes_per_block, row_bytes, Int4 ? 4 : 8);
     for (int h = 0; h < 2; ++h) {  // blocks 8h..8h+7 of the group: bytes 32h..32h+31 of each 64
-      const uint8_t* wg = w + g * 16 + 32 * h;
-      const __m256i low = _mm256_set1_epi8(0x0F);
+      const uint8_t* wg = w + g * row_bytes_per_block + 32 * h;
       __m256i u[8];
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * c));
-        u[c] = _mm256_and_si256(v, low);
-        u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int k = 0; k < 8; ++k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * (Int4 ? k & 3 : k)));
+        if constexpr (Int4) u[k] = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+        else u[k] = v;  // int8: signed codes, made unsigned per dot product below
       }
       const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g + 8 * h)));
-      const __m256 os = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + g + 8 * h)));
+      const __m256 os = Int4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + g + 8 * h)))
+                             : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int8_t* xg = xq + r * K + g * kBlock + 32 * h;
         auto x_at = [&](int k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64 * k)); };
+        __m256i sums;
+        if constexpr (Int4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
-        __m256i s0 = dot_u8s8(u[0], x_at(0));
-        __m256i s1 = dot_u8s8(u[1], x_at(1));
-        for (int k = 2; k < 8; k += 2) {
-          s0 = _mm256_add_epi32(s0, dot_u8s8(u[k], x_at(k)));
-          s1 = _mm256_add_epi32(s1, dot_u8s8(u[k + 1], x_at(k + 1)));
-        }
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+          __m256i s0 = dot_u8s8(u[0], x_at(0));
+          __m256i s1 = dot_u8s8(u[1], x_at(1));
+          for (int k = 2; k < 8; k += 2) {
+            s0 = _mm256_add_epi32(s0, dot_u8s8(u[k], x_at(k)));
+            s1 = _mm256_add_epi32(s1, dot_u8s8(u[k + 1], x_at(k + 1)));
+          }
+          sums = _mm256_add_epi32(s0, s1);
 #else
-        // Without VNNI a dot product is maddubs (byte pairs to int16) then madd (int16 pairs to
-        // int32). The 8 products of a half group add up in int16 first, exactly: a code is at
-        // most 15 and |q| at most 127, so a byte pair gives at most 3810 and 8 of them 30480,
-        // under 32767. One madd instead of 8, and the same integer sums, so the same bits.
-        __m256i p0 = _mm256_maddubs_epi16(u[0], x_at(0));
-        __m256i p1 = _mm256_maddubs_epi16(u[1], x_at(1));
-        for (int k = 2; k < 8; k += 2) {
-          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(u[k], x_at(k)));
-          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[k + 1], x_at(k + 1)));
-        }
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1)));
+          // Without VNNI a dot product is maddubs (byte pairs to int16) then madd (int16 pairs to
+          // int32). The 8 products of a half group add up in int16 first, exactly: a code is at
+          // most 15 and |q| at most 127, so a byte pair gives at most 3810 and 8 of them 30480,
+          // under 32767. One madd instead of 8, and the same integer sums, so the same bits.
+          __m256i p0 = _mm256_maddubs_epi16(u[0], x_at(0));
+          __m256i p1 = _mm256_maddubs_epi16(u[1], x_at(1));
+          for (int k = 2; k < 8; k += 2) {
+            p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(u[k], x_at(k)));
+            p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(u[k + 1], x_at(k + 1)));
+          }
+          sums = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
 #endif
-        group_acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_loadu_ps(xd + r * nb + g + 8 * h)), sums, group_acc[r][h]);
-        group_acc[r][h] = _mm256_fmadd_ps(os, _mm256_loadu_ps(xs + r * nb + g + 8 * h), group_acc[r][h]);
+        } else {
+          // int8: the weight's sign moves to x (|code| <= 127: no saturation in maddubs)
+          sums = dot_u8s8(_mm256_abs_epi8(u[0]), _mm256_sign_epi8(x_at(0), u[0]));
+          for (int k = 1; k < 8; ++k)
+            sums = _mm256_add_epi32(sums, dot_u8s8(_mm256_abs_epi8(u[k]), _mm256_sign_epi8(x_at(k), u[k])));
+        }
+        const __m256 fsums = _mm256_cvtepi32_ps(sums);
+        group_acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_loadu_ps(xd + r * nb + g + 8 * h)), fsums, group_acc[r][h]);
+        if constexpr (Int4)
+          group_acc[r][h] = _mm256_fmadd_ps(os, _mm256_loadu_ps(xs + r * nb + g + 8 * h), group_acc[r][h]);
       }
     }
   }
@@ -396,48 +455,41 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
 constexpr int kColsPerBlock = 2;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
 static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");
 
-// int4's interleaved groups for R activation rows against C weight rows at once, into
-// `sums` (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
+// The interleaved groups for R activation rows against C weight rows at once, into `sums`
+// (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
 // Why: row_times_rows takes one weight row at a time, so with many activation rows (prefill,
 // a batch's packed pass) every activation byte is loaded once per weight row, and the
-// loads, the nibble unpacking and the short dot-product chains leave the VNNI units idle
+// loads, the weight unpacking and the short dot-product chains leave the VNNI units idle
 // most of the time (about a fifth of their rate measured at 128 rows). Here each 64-byte
 // activation load feeds C dot products and each unpacked weight vector R of them, in R x C
 // independent chains. Per (row, weight row) pair the float operations are row_times_rows'
 // own, in the same order (the integer sums are exact in any order), so the bits are the same.
-template <int R, int C>
+template <bool Int4, int R, int C>
 inline void grouped_sums_block(const uint8_t* w, int64_t row_bytes, const uint16_t* scale, const uint16_t* offset,
-                               const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t nb,
-                               float* sums, bool streaming) {
-  const int64_t grouped = grouped_blocks(nb);
-  const __m512i low = _mm512_set1_epi8(0x0F);
+                               const Rows& x, float* sums, bool streaming) {
+  const int64_t nb = x.nb, grouped = grouped_blocks(nb), block_bytes = Int4 ? 16 : 32;
   __m512 acc[C][R];  // in registers across the groups (through memory it measured a third slower)
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < grouped; g += kGroup) {
-    for (int c = 0; c < C; ++c) prefetch_ahead(streaming, w + c * row_bytes + g * 16, row_bytes, 4);
+    for (int c = 0; c < C; ++c) prefetch_ahead(streaming, w + c * row_bytes + g * block_bytes, row_bytes, Int4 ? 4 : 8);
     __m512i s[C][R];
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < R; ++r) s[c][r] = _mm512_setzero_si512();
-    for (int k = 0; k < 8; ++k) {  // k < 4: low nibbles of each weight row's 64 bytes k; k >= 4: high ones of k - 4
+    for (int k = 0; k < 8; ++k) {
       __m512i u[C];
-      for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(w + c * row_bytes + g * 16 + 64 * (k & 3));
-        u[c] = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low);
-      }
+      for (int c = 0; c < C; ++c) u[c] = group_step<Int4>(w + c * row_bytes + g * block_bytes, k);
       for (int r = 0; r < R; ++r) {
-        const __m512i x = _mm512_loadu_si512(xq + r * K + g * kBlock + 64 * k);
-        for (int c = 0; c < C; ++c) s[c][r] = _mm512_dpbusd_epi32(s[c][r], u[c], x);
+        const __m512i xv = _mm512_loadu_si512(x.codes + r * x.K + g * kBlock + 64 * k);
+        for (int c = 0; c < C; ++c) s[c][r] = _mm512_dpbusd_epi32(s[c][r], u[c], xv);
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c * nb + g)));
-      const __m512 os = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + c * nb + g)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xd + r * nb + g)),
-                                         _mm512_cvtepi32_ps(s[c][r]), acc[c][r]);
-        acc[c][r] = _mm512_fmadd_ps(os, _mm512_loadu_ps(xs + r * nb + g), a);
-      }
+      const __m512 ws = half16_to_float(scale + c * nb + g);
+      const __m512 os = Int4 ? half16_to_float(offset + c * nb + g) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        acc[c][r] = group_update<Int4>(acc[c][r], ws, os, x.scale + r * nb + g, x.sum + r * nb + g,
+                                       take_off_bias<Int4>(s[c][r], x.code_sum + r * nb + g));
     }
   }
   for (int c = 0; c < C; ++c)
@@ -468,26 +520,25 @@ inline void reduce_lanes(const float* sums, int count, float* totals) {
   for (int i = 0; i < count; ++i) totals[i] = lanes[(i & 3) * 4 + (i >> 2)];  // pair i ends in lane 4 (i % 4) + i / 4
 }
 
-using BlockKernel = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, const int8_t*, const float*,
-                            const float*, int64_t, int64_t, float*, bool);
+using BlockKernel = void (*)(const uint8_t*, int64_t, const uint16_t*, const uint16_t*, const Rows&, float*, bool);
 
-template <int R, int... C>
+template <bool Int4, int R, int... C>
 constexpr std::array<BlockKernel, sizeof...(C)> block_row_of(std::integer_sequence<int, C...>) {
-  return {&grouped_sums_block<R, C + 1>...};
+  return {&grouped_sums_block<Int4, R, C + 1>...};
 }
-template <int... R>
+template <bool Int4, int... R>
 constexpr std::array<std::array<BlockKernel, kColsPerBlock>, sizeof...(R)> block_table_of(std::integer_sequence<int, R...>) {
-  return {block_row_of<R + 1>(std::make_integer_sequence<int, kColsPerBlock>{})...};
+  return {block_row_of<Int4, R + 1>(std::make_integer_sequence<int, kColsPerBlock>{})...};
 }
 // grouped_sums_block for 1..kRowsPerChunk rows and 1..kColsPerBlock weight rows
+template <bool Int4>
 BlockKernel block_kernel(int64_t rows, int64_t cols) {
-  static constexpr auto table = block_table_of(std::make_integer_sequence<int, kRowsPerChunk>{});
+  static constexpr auto table = block_table_of<Int4>(std::make_integer_sequence<int, kRowsPerChunk>{});
   return table[rows - 1][cols - 1];
 }
 #endif
 
-using RowsKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const int8_t*, const float*,
-                           const float*, int64_t, int64_t, float*, const float*, bool);
+using RowsKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Rows&, float*, const float*, bool);
 
 // row_times_rows for 1..kRowsPerChunk activation rows, picked at run time
 template <bool Int4, int... R>
@@ -501,14 +552,14 @@ RowsKernel rows_kernel(int64_t rows) {
 }
 
 #ifdef SPIRIT_WIDE
-// `rows` (<= kRowsPerChunk) activation rows against int4 weight rows [n0, n1), two weight rows
+// `rows` (<= kRowsPerChunk) activation rows `x` against weight rows [n0, n1), two weight rows
 // at a time (grouped_sums_block); the blocks after the groups, if any, and the reductions as
 // row_times_rows does them. Outputs go to y [rows, N] (columns n0..n1).
-template <typename T>
-void int4_chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, const int8_t* x, const float* d,
-                        const float* code_sums, int64_t K, int64_t nb, int64_t rows, int64_t n0, int64_t n1,
-                        bool streaming, const float* bias, T* y, int64_t N) {
-  const int64_t row_bytes = K / 2;
+template <bool Int4, typename T>
+void chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, const Rows& x, int64_t rows,
+                   int64_t n0, int64_t n1, bool streaming, const float* bias, T* y, int64_t N) {
+  const int64_t nb = x.nb, row_bytes = Int4 ? x.K / 2 : x.K;
+  auto offset_of = [&](int64_t n) { return Int4 ? op + n * nb : nullptr; };
   alignas(64) float grouped_sums[16 * 16];  // up to 16 (weight row, row) pairs' lanes
   auto put = [&](int64_t r, int64_t n, float total) { y[r * N + n] = static_cast<T>(bias ? total + bias[n] : total); };
   if (grouped_blocks(nb) == nb) {  // nothing after the groups: up to 16 pairs reduced at once
@@ -516,9 +567,9 @@ void int4_chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* o
     for (int64_t n = n0; n < n1; n += step) {
       const int64_t cols = std::min<int64_t>(step, n1 - n);
       for (int64_t c = 0; c < cols; c += kColsPerBlock)
-        block_kernel(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
-            wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, code_sums, K, nb,
-            grouped_sums + 16 * rows * c, streaming);
+        block_kernel<Int4>(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
+            wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, offset_of(n + c), x, grouped_sums + 16 * rows * c,
+            streaming);
       float totals[16];
       reduce_lanes(grouped_sums, static_cast<int>(rows * cols), totals);
       for (int64_t c = 0; c < cols; ++c)
@@ -529,11 +580,10 @@ void int4_chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* o
   float out[kRowsPerChunk];
   for (int64_t n = n0; n < n1; n += kColsPerBlock) {
     const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
-    block_kernel(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, op + n * nb, x, d, code_sums, K, nb,
-                             grouped_sums, streaming);
+    block_kernel<Int4>(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, offset_of(n), x, grouped_sums, streaming);
     for (int64_t c = 0; c < cols; ++c) {
-      rows_kernel<true>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, op + (n + c) * nb, x, d, code_sums, K, nb,
-                              out, grouped_sums + 16 * rows * c, streaming);
+      rows_kernel<Int4>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, offset_of(n + c), x, out,
+                              grouped_sums + 16 * rows * c, streaming);
       for (int64_t r = 0; r < rows; ++r) put(r, n + c, out[r]);
     }
   }
@@ -548,15 +598,14 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* op = Int4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
-  const int8_t* xp = xq.codes.data_ptr<int8_t>();
-  const float* dp = xq.scale.data_ptr<float>();
-  const float* xs = xq.sum.data_ptr<float>();
+  const Rows all{xq.codes.data_ptr<int8_t>(), xq.scale.data_ptr<float>(), xq.sum.data_ptr<float>(),
+                 xq.code_sum.data_ptr<int32_t>(), K, nb};
   T* yp = y.data_ptr<T>();
   // Many rows (prefill, wide verification): a tile of weight rows is taken against every chunk
   // of activation rows before the next tile, so the tile is read from memory once and then
   // from cache, and each chunk's activations stay in L1 across the tile. Each output is still
-  // computed by the same operations (row_times_rows', or for int4 chunks of several rows
-  // int4_chunk_blocked's, which are the same per output), so the loop order changes no bit.
+  // computed by the same operations (row_times_rows', or for chunks of several rows
+  // chunk_blocked's, which are the same per output), so the loop order changes no bit.
   const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
 #ifdef SPIRIT_WIDE
   // Column blocks pay once a chunk has more than one activation row (one row is bound by
@@ -569,22 +618,16 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
       const int64_t n1 = std::min(end, n0 + tile);
       for (int64_t m = 0; m < M; m += kRowsPerChunk) {
         const int64_t rows = std::min(kRowsPerChunk, M - m);
-        const int8_t* x = xp + m * K;
-        const float* d = dp + m * nb;
-        const float* sums = xs + m * nb;
+        const Rows x = all.from(m);
 #ifdef SPIRIT_WIDE
-        if constexpr (Int4) {
-          if (blocked) {
-            int4_chunk_blocked(wp, sp, op, x, d, sums, K, nb, rows, n0, n1, m == 0, bias, yp + m * N, N);
-            continue;
-          }
+        if (blocked) {
+          chunk_blocked<Int4>(wp, sp, op, x, rows, n0, n1, m == 0, bias, yp + m * N, N);
+          continue;
         }
 #endif
         for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* w = wp + n * row_bytes;
-          const uint16_t* s = sp + n * nb;
           const uint16_t* o = Int4 ? op + n * nb : nullptr;
-          rows_kernel<Int4>(rows)(w, s, o, x, d, sums, K, nb, out, nullptr, m == 0);
+          rows_kernel<Int4>(rows)(wp + n * row_bytes, sp + n * nb, o, x, out, nullptr, m == 0);
           for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
         }
       }
@@ -612,11 +655,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    const QuantizedRows xq = quantize_rows<float>(rows, bits == 4);
+    const QuantizedRows xq = quantize_rows<float>(rows);
     if (bits == 4) gemm<true, float>(xq, codes, scale, offset, bias_ptr, y);
     else gemm<false, float>(xq, codes, scale, offset, bias_ptr, y);
   } else {
-    const QuantizedRows xq = quantize_rows<at::BFloat16>(rows, bits == 4);
+    const QuantizedRows xq = quantize_rows<at::BFloat16>(rows);
     if (bits == 4) gemm<true, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
     else gemm<false, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
   }
@@ -656,16 +699,17 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* op = bits == 4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
   at::BFloat16* wp = out.data_ptr<at::BFloat16>();
-  const int64_t grouped = bits == 4 ? grouped_blocks(nb) : 0;
+  const int64_t grouped = grouped_blocks(nb);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       at::BFloat16* row = wp + n * K;
       const uint16_t* s = sp + n * nb;
-      if (bits == 8) {
+      if (bits == 8) {  // grouped blocks: input j of block l at byte 64 (j / 4) + 4 l + j % 4 of its group
         const int8_t* c = reinterpret_cast<const int8_t*>(cp) + n * K;
         for (int64_t b = 0; b < nb; ++b) {
           const float scale_b = half_to_float(s[b]);
-          for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<at::BFloat16>(c[b * kBlock + j] * scale_b);
+          for (int64_t j = 0; j < kBlock; ++j)
+            row[b * kBlock + j] = static_cast<at::BFloat16>(c[grouped_index(b, j, grouped)] * scale_b);
         }
         continue;
       }
