@@ -452,7 +452,10 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
 }
 
 #ifdef SPIRIT_WIDE
-constexpr int kColsPerBlock = 2;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
+#ifndef SPIRIT_COLS_PER_BLOCK
+#define SPIRIT_COLS_PER_BLOCK 2
+#endif
+constexpr int kColsPerBlock = SPIRIT_COLS_PER_BLOCK;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
 static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");
 
 // The interleaved groups for R activation rows against C weight rows at once, into `sums`
