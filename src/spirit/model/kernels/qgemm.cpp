@@ -456,7 +456,17 @@ inline void row_times_rows(const uint8_t* w, const uint16_t* scale, const uint16
 #define SPIRIT_COLS_PER_BLOCK 2
 #endif
 constexpr int kColsPerBlock = SPIRIT_COLS_PER_BLOCK;  // weight rows that share one read of the activation rows (3 and 4 measured slower: registers)
-static_assert(kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");
+#ifndef SPIRIT_BLOCKED_ROWS
+#define SPIRIT_BLOCKED_ROWS 8
+#endif
+// Activation rows per chunk in the column-blocked path where every block is in a group: one
+// chunk of a batch's 8-row pass reads each weight byte once, as it arrives from memory (two
+// chunks of 4 left the memory idle during the second).
+constexpr int64_t kBlockedRows = SPIRIT_BLOCKED_ROWS;
+static_assert(kBlockedRows <= 16 && kRowsPerChunk * kColsPerBlock <= 16, "reduce_lanes takes at most 16 (weight row, row) pairs");
+// Weight rows per grouped_sums_block for `rows` activation rows: R x C integer and R x C float
+// accumulators must fit the 32 vector registers with the operands, so R x C <= 8.
+constexpr int64_t cols_per_block(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(kColsPerBlock, 8 / rows)); }
 
 // The interleaved groups for R activation rows against C weight rows at once, into `sums`
 // (float [C][R][16]: one lane per block of a group, as row_times_rows keeps them).
@@ -533,10 +543,10 @@ template <bool Int4, int... R>
 constexpr std::array<std::array<BlockKernel, kColsPerBlock>, sizeof...(R)> block_table_of(std::integer_sequence<int, R...>) {
   return {block_row_of<Int4, R + 1>(std::make_integer_sequence<int, kColsPerBlock>{})...};
 }
-// grouped_sums_block for 1..kRowsPerChunk rows and 1..kColsPerBlock weight rows
+// grouped_sums_block for 1..kBlockedRows rows and 1..kColsPerBlock weight rows
 template <bool Int4>
 BlockKernel block_kernel(int64_t rows, int64_t cols) {
-  static constexpr auto table = block_table_of<Int4>(std::make_integer_sequence<int, kRowsPerChunk>{});
+  static constexpr auto table = block_table_of<Int4>(std::make_integer_sequence<int, kBlockedRows>{});
   return table[rows - 1][cols - 1];
 }
 #endif
@@ -555,22 +565,22 @@ RowsKernel rows_kernel(int64_t rows) {
 }
 
 #ifdef SPIRIT_WIDE
-// `rows` (<= kRowsPerChunk) activation rows `x` against weight rows [n0, n1), two weight rows
-// at a time (grouped_sums_block); the blocks after the groups, if any, and the reductions as
-// row_times_rows does them. Outputs go to y [rows, N] (columns n0..n1).
+// `rows` (<= kBlockedRows) activation rows `x` against weight rows [n0, n1), cols_per_block(rows)
+// weight rows at a time (grouped_sums_block); the blocks after the groups, if any, and the
+// reductions as row_times_rows does them. Outputs go to y [rows, N] (columns n0..n1).
 template <bool Int4, typename T>
 void chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, const Rows& x, int64_t rows,
                    int64_t n0, int64_t n1, bool streaming, const float* bias, T* y, int64_t N) {
-  const int64_t nb = x.nb, row_bytes = Int4 ? x.K / 2 : x.K;
+  const int64_t nb = x.nb, row_bytes = Int4 ? x.K / 2 : x.K, block_cols = cols_per_block(rows);
   auto offset_of = [&](int64_t n) { return Int4 ? op + n * nb : nullptr; };
   alignas(64) float grouped_sums[16 * 16];  // up to 16 (weight row, row) pairs' lanes
   auto put = [&](int64_t r, int64_t n, float total) { y[r * N + n] = static_cast<T>(bias ? total + bias[n] : total); };
   if (grouped_blocks(nb) == nb) {  // nothing after the groups: up to 16 pairs reduced at once
-    const int64_t step = 16 / rows / kColsPerBlock * kColsPerBlock;  // weight rows per reduction
+    const int64_t step = 16 / rows / block_cols * block_cols;  // weight rows per reduction
     for (int64_t n = n0; n < n1; n += step) {
       const int64_t cols = std::min<int64_t>(step, n1 - n);
-      for (int64_t c = 0; c < cols; c += kColsPerBlock)
-        block_kernel<Int4>(rows, std::min<int64_t>(kColsPerBlock, cols - c))(
+      for (int64_t c = 0; c < cols; c += block_cols)
+        block_kernel<Int4>(rows, std::min<int64_t>(block_cols, cols - c))(
             wp + (n + c) * row_bytes, row_bytes, sp + (n + c) * nb, offset_of(n + c), x, grouped_sums + 16 * rows * c,
             streaming);
       float totals[16];
@@ -581,13 +591,17 @@ void chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, co
     return;
   }
   float out[kRowsPerChunk];
-  for (int64_t n = n0; n < n1; n += kColsPerBlock) {
-    const int64_t cols = std::min<int64_t>(kColsPerBlock, n1 - n);
+  for (int64_t n = n0; n < n1; n += block_cols) {
+    const int64_t cols = std::min<int64_t>(block_cols, n1 - n);
     block_kernel<Int4>(rows, cols)(wp + n * row_bytes, row_bytes, sp + n * nb, offset_of(n), x, grouped_sums, streaming);
     for (int64_t c = 0; c < cols; ++c) {
-      rows_kernel<Int4>(rows)(wp + (n + c) * row_bytes, sp + (n + c) * nb, offset_of(n + c), x, out,
-                              grouped_sums + 16 * rows * c, streaming);
-      for (int64_t r = 0; r < rows; ++r) put(r, n + c, out[r]);
+      // the rest of each row, kRowsPerChunk rows at a time (row_times_rows' registers)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerChunk) {
+        const int64_t part = std::min(kRowsPerChunk, rows - r0);
+        rows_kernel<Int4>(part)(wp + (n + c) * row_bytes, sp + (n + c) * nb, offset_of(n + c), x.from(r0), out,
+                                grouped_sums + 16 * (rows * c + r0), streaming);
+        for (int64_t r = 0; r < part; ++r) put(r0 + r, n + c, out[r]);
+      }
     }
   }
 }
@@ -619,8 +633,16 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
     float out[kRowsPerChunk];
     for (int64_t n0 = begin; n0 < end; n0 += tile) {
       const int64_t n1 = std::min(end, n0 + tile);
-      for (int64_t m = 0; m < M; m += kRowsPerChunk) {
-        const int64_t rows = std::min(kRowsPerChunk, M - m);
+#ifdef SPIRIT_WIDE
+      // Rows with blocks after the groups keep chunks of kRowsPerChunk: their remainder runs
+      // one weight row at a time (row_times_rows), which 8-row chunks measured slower
+      // (1536x8960 0.86-0.94x) where all-grouped rows gained (17920x1536 1.08-1.15x).
+      const int64_t chunk = blocked && grouped_blocks(nb) == nb ? kBlockedRows : kRowsPerChunk;
+#else
+      const int64_t chunk = kRowsPerChunk;
+#endif
+      for (int64_t m = 0; m < M; m += chunk) {
+        const int64_t rows = std::min(chunk, M - m);
         const Rows x = all.from(m);
 #ifdef SPIRIT_WIDE
         if (blocked) {
