@@ -154,7 +154,6 @@ def test_auto_dtype_follows_the_probe(monkeypatch):
 
 # -- both machine classes: the real probe under native and AVX2-held kernels -----------------
 
-AVX2_ENV = probe.AVX2_HELD_ENV
 QWEN_1_5B = LayerShapes(hidden=1536, intermediate=8960, q_out=1536, kv_out=256, vocab=151936, num_layers=28)
 
 
@@ -162,7 +161,7 @@ def _probe_in_subprocess(env: dict[str, str], cache: Path) -> PassCosts:
     """The probe in a fresh process: the kernel variables act only before torch loads."""
     script = ("import json, sys; from spirit.model.probe import LayerShapes, probe; "
               f"print(json.dumps(probe(LayerShapes(**{QWEN_1_5B.__dict__!r})).to_dict()))")
-    clean = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
+    clean = {k: v for k, v in os.environ.items() if k not in probe.AVX2_HELD_ENV}
     out = subprocess.run([sys.executable, "-c", script], env={**clean, **env, "SPIRIT_CACHE": str(cache)},
                          capture_output=True, text=True, timeout=300, check=True)
     return PassCosts.from_dict(json.loads(out.stdout))
@@ -186,7 +185,7 @@ def test_probe_and_first_decisions_under_native_and_avx2_kernels(tmp_path):
     from spirit.policies.base import ModelInfo, RequestInfo
     from spirit.policies.spirit import MARGIN, RATIO_GRID, SpiritPolicy
 
-    runs = {"native": _probe_in_subprocess({}, tmp_path), "avx2": _probe_in_subprocess(AVX2_ENV, tmp_path)}
+    runs = {"native": _probe_in_subprocess({}, tmp_path), "avx2": _probe_in_subprocess(probe.AVX2_HELD_ENV, tmp_path)}
     best_predicted, first_speculative = {}, {}
     for name, costs in runs.items():
         costs = costs.with_target("bfloat16")

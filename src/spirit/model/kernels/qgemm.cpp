@@ -22,7 +22,7 @@
 //         after the groups come in pairs: byte j of a pair holds input j of its first block in
 //         the low nibble and input j of its second block in the high one (a lone last block:
 //         inputs j and j+16). The activations' int8 codes take the same order (grouped_index).
-//         Numbers of this layout: kInt4Layout (model/quantize.py packs it).
+//         model/quantize.py packs both layouts (SPIRIT_LAYOUT names them in kept packings).
 //   int8: codes int8 [N, K] in [-127, 127], w = code * scale[n, b]  (offset: empty). The first
 //         16 * floor(K/512) blocks come in groups of 16 (512 bytes) in the same order as int4's
 //         activations: byte 64k + 4l + j of a group holds input 4k + j of its block l (k < 8,
@@ -54,7 +54,7 @@ constexpr int64_t kBlock = 32;
 #define SPIRIT_ROWS_PER_CHUNK 4
 #endif
 constexpr int64_t kRowsPerChunk = SPIRIT_ROWS_PER_CHUNK;  // activation rows that share one read of a weight row
-constexpr int64_t kGroup = 16;        // int4 blocks per interleaved group (see the formats)
+constexpr int64_t kGroup = 16;        // blocks per interleaved group (see the formats)
 #ifndef SPIRIT_BLOCKED_MIN_ROWS
 #define SPIRIT_BLOCKED_MIN_ROWS 2  // int4 products of this many rows or more take two weight rows at a time
 #endif
