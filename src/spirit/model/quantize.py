@@ -12,8 +12,9 @@
 On x86-64 CPUs where spirit's own kernel builds (model/qgemm.py), it runs both formats
 instead: int4 as above but with float16 scale and offset per group of 32 (w = q * scale +
 offset), int8 symmetric per block of 32 inputs (not per channel), both with int8-quantized
-activations and both with their blocks interleaved in groups of 16 (kernels/qgemm.cpp, "Formats"). It streams packed weights about 1.3x faster than torch's int4 op and is
-row-invariant by construction. `PackedWeight` is a packed weight with the kernel that runs it:
+activations and with blocks interleaved in groups of 16 (kernels/qgemm.cpp, "Formats"). It
+streams packed weights about 1.3x faster than torch's int4 op and is row-invariant by
+construction. `PackedWeight` is a packed weight with the kernel that runs it:
 the one value every user of these formats (low-bit targets, quantized drafts, the probe) holds.
 """
 
