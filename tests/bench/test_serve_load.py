@@ -13,7 +13,7 @@ import pytest
 
 from spirit.bench.serve_cli import parse_clients
 from spirit.bench.serve_load import (
-    LoadRun, LoadSettings, find_mismatches, first_difference, percentile, requests_for, run_order,
+    LoadRun, LoadSettings, busy_window, find_mismatches, first_difference, percentile, requests_for, run_order,
 )
 from spirit.cli import build_parser, main
 from spirit.server.client import StreamedReply
@@ -54,6 +54,32 @@ def test_run_figures():
     assert f.aggregate_tok_s == 6.0  # answered tokens over the run's wall time
     assert f.request_tok_s_p50 == 4.0  # 4/1 and 8/2
     assert f.ttft_p50_s == pytest.approx(0.3) and f.latency_p50_s == 1.5 and f.latency_p99_s == pytest.approx(1.99)
+
+
+def streamed(sent: float, latency: float, tokens: int, text: str, arrivals=()) -> StreamedReply:
+    return StreamedReply(200, text, tokens, latency, arrivals[0][0] if arrivals else None, None, sent, tuple(arrivals))
+
+
+def test_tokens_by_counts_the_text_that_had_arrived():
+    r = streamed(10.0, 4.0, 8, "abcdefgh", [(1.0, 2), (2.0, 6), (3.5, 8)])
+    assert r.ended_at == 14.0
+    assert [r.tokens_by(t) for t in (10.5, 11.0, 12.9, 13.6, 14.0, 99.0)] == [0.0, 2.0, 6.0, 8.0, 8.0, 8.0]
+    assert streamed(0.0, 1.0, 3, "").tokens_by(0.5) == 0.0 and streamed(0.0, 1.0, 3, "").tokens_by(1.0) == 3.0
+
+
+def test_the_busy_window_ends_with_the_first_client_to_run_out():
+    # client A: requests 0 and 2 (ends at 9); client B: requests 1 and 3 (ends at 6); B's
+    # last answer is where fewer than 2 clients load the server
+    replies = {0: streamed(1.0, 3.0, 4, "aaaa", [(1.0, 2), (3.0, 4)]), 1: streamed(1.5, 2.0, 2, "bb", [(2.0, 2)]),
+               2: streamed(4.0, 5.0, 10, "c" * 10, [(1.0, 5), (4.0, 8), (5.0, 10)]), 3: streamed(3.5, 2.5, 2, "dd", [(2.5, 2)])}
+    assert busy_window(replies, {0: "A", 1: "B", 2: "A", 3: "B"}) == (1.0, 6.0)
+    assert busy_window({}, {}) is None
+    run = LoadRun(2, 2, 1, wall_s=8.0, replies=replies, busy=(1.0, 6.0))
+    f = run.figures()
+    # by 6.0: requests 0, 1, 3 whole (4 + 2 + 2) and half of request 2's text (5 of 10 characters)
+    assert f.busy_s == 5.0 and f.busy_tok_s == pytest.approx((4 + 2 + 2 + 5) / 5.0)
+    assert f.aggregate_tok_s == 18 / 8.0
+    assert LoadRun(2, 2, 1, wall_s=8.0, replies=replies).figures().busy_tok_s is None
 
 
 def test_requests_and_order():
@@ -118,6 +144,9 @@ def test_end_to_end(tiny, questions, tmp_path, capsys):
     assert [r["requests"] for r in data["runs"]] == [3, 3, 4, 4] and data["mismatches"] == 0 and data["errors"] == 0
     assert all(r["completion_tokens"] > 0 and r["latency_p50_s"] > 0 and r["ttft_p50_s"] > 0 for r in data["runs"])
     assert data["runs"][0]["p50_latency_vs_lone"] == 1.0 and data["runs"][1]["batching_ratio"] > 0
+    # every run has a busy window within its wall time, and the streamed tokens in it
+    assert all(0 < r["busy_s"] <= r["wall_s"] and r["busy_tok_s"] > 0 for r in data["runs"])
+    assert data["runs"][1]["busy_batching_ratio"] > 0 and "busy: batch 2 / batch 1" in stdout
     assert len(data["reference_texts"]) == 3 and data["command"].startswith("spirit bench-serve --model tiny")
     report = (out / "report.md").read_text()
     assert "machine:" in report and "spirit bench-serve --model tiny" in report and "![" in report

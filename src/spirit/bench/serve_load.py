@@ -30,6 +30,13 @@ Figures (`RunFigures`), all from the client's side, queueing included:
 - per-request tok/s = a request's completion tokens / its latency (median over requests);
 - time to first token = until the first non-empty content piece of the stream;
 - latency = until the stream's end; percentiles by linear interpolation (`percentile`);
+- busy tok/s = completion tokens streamed while every client had a request in flight, over
+  that time (`busy_window`): from the first request to the moment the first client has no
+  request left. A run's last requests end one by one, and from then on fewer than c clients
+  load the server: with few requests per client that tail is a large part of a batched
+  server's wall time (one at a time, the queue keeps it busy to the end), while c clients
+  that keep sending keep it loaded. A request cut by the window's end counts the share of its text that had
+  arrived (`StreamedReply.tokens_by`);
 - batching ratio = aggregate tok/s of `max_batch` N over `max_batch` 1 at the same client
   count; p50 latency relative to a lone request = the run's p50 latency over the same
   setting's p50 at 1 client (the solo reference's p50 when 1 client is not in the run).
@@ -158,6 +165,22 @@ class RunFigures:
     latency_p50_s: float | None
     latency_p90_s: float | None
     latency_p99_s: float | None
+    busy_s: float | None = None
+    busy_tok_s: float | None = None
+
+
+def busy_window(replies: Mapping[int, StreamedReply], client_of: Mapping[int, int]) -> tuple[float, float] | None:
+    """The (start, end) time.perf_counter() times during which every client had a request in
+    flight: from the first request sent to the first client's last answer (a closed-loop
+    client has one request in flight from its first send to its last answer). `client_of`:
+    request index -> the client that sent it. None without replies."""
+    if not replies:
+        return None
+    start = min(r.sent_at for r in replies.values())
+    last: dict[int, float] = {}
+    for index, r in replies.items():
+        last[client_of[index]] = max(last.get(client_of[index], start), r.ended_at)
+    return start, min(last.values())
 
 
 @dataclass
@@ -170,6 +193,7 @@ class LoadRun:
     wall_s: float
     replies: dict[int, StreamedReply]  # by request index
     mismatches: list[Mismatch] = field(default_factory=list)
+    busy: tuple[float, float] | None = None  # busy_window's
 
     @property
     def errors(self) -> list[tuple[int, StreamedReply]]:
@@ -181,12 +205,17 @@ class LoadRun:
         latencies = [r.latency_s for r in ok]
         ttfts = [r.first_token_s for r in ok if r.first_token_s is not None]
         per_request = [r.completion_tokens / r.latency_s for r in ok if r.latency_s > 0]
+        busy_s = busy_tok_s = None
+        if self.busy is not None and self.busy[1] > self.busy[0]:
+            busy_s = self.busy[1] - self.busy[0]
+            busy_tok_s = sum(r.tokens_by(self.busy[1]) for r in ok) / busy_s
         return RunFigures(
             requests=len(self.replies), errors=len(self.replies) - len(ok), mismatches=len(self.mismatches),
             completion_tokens=tokens, wall_s=self.wall_s, aggregate_tok_s=tokens / self.wall_s if self.wall_s > 0 else 0.0,
             request_tok_s_p50=percentile(per_request, 50), ttft_p50_s=percentile(ttfts, 50),
             ttft_p90_s=percentile(ttfts, 90), latency_p50_s=percentile(latencies, 50),
             latency_p90_s=percentile(latencies, 90), latency_p99_s=percentile(latencies, 99),
+            busy_s=busy_s, busy_tok_s=busy_tok_s,
         )
 
 
@@ -209,13 +238,15 @@ class ServeLoadResult:
     def run(self, max_batch: int, clients: int) -> LoadRun | None:
         return next((r for r in self.runs if r.max_batch == max_batch and r.clients == clients), None)
 
-    def batching_ratio(self, max_batch: int, clients: int) -> float | None:
-        """Aggregate tok/s of `max_batch` over one-at-a-time, at the same client count."""
+    def batching_ratio(self, max_batch: int, clients: int, busy: bool = False) -> float | None:
+        """Aggregate tok/s (`busy`: busy tok/s) of `max_batch` over one-at-a-time, at the same
+        client count."""
         run, solo = self.run(max_batch, clients), self.run(1, clients)
         if run is None or solo is None:
             return None
-        base = solo.figures().aggregate_tok_s
-        return run.figures().aggregate_tok_s / base if base > 0 else None
+        figure = (lambda f: f.busy_tok_s) if busy else (lambda f: f.aggregate_tok_s)
+        value, base = figure(run.figures()), figure(solo.figures())
+        return value / base if value is not None and base else None
 
     def lone(self, max_batch: int) -> LoadRun:
         """What a run's latency is compared with: the same setting at 1 client, else the reference."""
@@ -243,24 +274,31 @@ def _body(prompt: Prompt, max_tokens: int) -> dict:
     return {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_tokens, "temperature": 0}
 
 
-def measure(url: str, prompts: Sequence[Prompt], clients: int, max_tokens: int) -> tuple[dict[int, StreamedReply], float]:
+def measure(url: str, prompts: Sequence[Prompt], clients: int,
+            max_tokens: int) -> tuple[dict[int, StreamedReply], float, tuple[float, float] | None]:
     """One run: `clients` closed-loop clients, each on its own connection, through
     `requests_for` requests; request i asks prompt i mod P. Returns the replies by request
-    index and the wall time."""
-    return run_clients(clients, counter(requests_for(len(prompts), clients)), lambda: ChatClient(url),
-                       lambda client, i: client.stream_chat(_body(prompts[i % len(prompts)], max_tokens)))
+    index, the wall time and the busy window."""
+    client_of: dict[int, int] = {}
+
+    def send(client: ChatClient, i: int) -> StreamedReply:
+        client_of[i] = id(client)  # one connection per client thread, kept for its whole run
+        return client.stream_chat(_body(prompts[i % len(prompts)], max_tokens))
+
+    replies, wall = run_clients(clients, counter(requests_for(len(prompts), clients)), lambda: ChatClient(url), send)
+    return replies, wall, busy_window(replies, client_of)
 
 
 def solo_reference(url: str, prompts: Sequence[Prompt], max_tokens: int) -> LoadRun:
     """Every prompt alone on the one-at-a-time server; a failure here is the input's fault
     (a prompt too long for the context, say), so it ends the benchmark with its reason."""
-    replies, wall = measure(url, prompts, 1, max_tokens)
+    replies, wall, busy = measure(url, prompts, 1, max_tokens)
     for i, reply in sorted(replies.items()):
         if not reply.ok:
             p = prompts[i]
             raise ValueError(f"the solo reference request for question {p.question_id} ({p.category}) failed "
                              f"(HTTP {reply.status}): {reply.error}")
-    return LoadRun(1, 1, 0, wall, replies)
+    return LoadRun(1, 1, 0, wall, replies, busy=busy)
 
 
 def run_order(settings: LoadSettings) -> list[tuple[int, int]]:
@@ -303,8 +341,8 @@ def run_serve_load(lm, prompts: Sequence[Prompt], settings: LoadSettings,
         texts = [reference.replies[i].text for i in range(len(prompts))]
         runs = []
         for order, (max_batch, n_clients) in enumerate(run_order(settings), 1):
-            replies, wall = measure(urls[max_batch], prompts, n_clients, settings.max_tokens)
-            run = LoadRun(max_batch, n_clients, order, wall, replies, find_mismatches(texts, replies))
+            replies, wall, busy = measure(urls[max_batch], prompts, n_clients, settings.max_tokens)
+            run = LoadRun(max_batch, n_clients, order, wall, replies, find_mismatches(texts, replies), busy)
             runs.append(run)
             f = run.figures()
             log(f"max_batch {max_batch:2d}, {n_clients:2d} clients: {f.requests} requests, "

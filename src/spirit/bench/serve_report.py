@@ -13,8 +13,8 @@ from spirit.bench.plots import _pyplot, save
 from spirit.bench.report import _row, exactness_line
 from spirit.bench.serve_load import LoadRun, ServeLoadResult
 
-HEAD = ["max batch", "clients", "requests", "agg tok/s", "vs batch 1", "req tok/s p50", "TTFT p50 s", "TTFT p90 s",
-        "latency p50 s", "p90 s", "p99 s", "p50 / lone", "errors", "mismatches"]
+HEAD = ["max batch", "clients", "requests", "agg tok/s", "vs batch 1", "busy tok/s", "busy s", "req tok/s p50",
+        "TTFT p50 s", "TTFT p90 s", "latency p50 s", "p90 s", "p99 s", "p50 / lone", "errors", "mismatches"]
 
 
 def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
@@ -28,8 +28,9 @@ def table_rows(result: ServeLoadResult) -> list[list[str]]:
         f = run.figures()
         ratio = result.batching_ratio(run.max_batch, run.clients) if run.max_batch != 1 else None
         rows.append([str(run.max_batch), str(run.clients), str(f.requests), _num(f.aggregate_tok_s),
-                     _num(ratio, suffix="x"), _num(f.request_tok_s_p50), _num(f.ttft_p50_s, 3), _num(f.ttft_p90_s, 3),
-                     _num(f.latency_p50_s, 3), _num(f.latency_p90_s, 3), _num(f.latency_p99_s, 3),
+                     _num(ratio, suffix="x"), _num(f.busy_tok_s), _num(f.busy_s, 1), _num(f.request_tok_s_p50),
+                     _num(f.ttft_p50_s, 3), _num(f.ttft_p90_s, 3), _num(f.latency_p50_s, 3),
+                     _num(f.latency_p90_s, 3), _num(f.latency_p99_s, 3),
                      _num(result.relative_latency(run), suffix="x"), str(f.errors), str(f.mismatches)])
     return rows
 
@@ -45,21 +46,25 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def batching_rows(result: ServeLoadResult) -> list[list[str]]:
-    """Per client count: each setting's aggregate tok/s and batched over one at a time."""
+    """Per client count: each setting's aggregate tok/s and batched over one at a time, then
+    the same for busy tok/s (while every client had a request in flight)."""
     rows = []
     for clients in result.settings.clients:
         cells = [str(clients)]
-        for max_batch in result.settings.max_batches:
-            run = result.run(max_batch, clients)
-            cells.append(_num(run.figures().aggregate_tok_s if run else None))
-        cells += [_num(result.batching_ratio(b, clients), suffix="x") for b in result.settings.max_batches[1:]]
+        for busy in (False, True):
+            for max_batch in result.settings.max_batches:
+                run = result.run(max_batch, clients)
+                f = run.figures() if run else None
+                cells.append(_num(None if f is None else f.busy_tok_s if busy else f.aggregate_tok_s))
+            cells += [_num(result.batching_ratio(b, clients, busy), suffix="x") for b in result.settings.max_batches[1:]]
         rows.append(cells)
     return rows
 
 
 def batching_head(result: ServeLoadResult) -> list[str]:
     batches = result.settings.max_batches
-    return ["clients", *(f"agg tok/s, batch {b}" for b in batches), *(f"batch {b} / batch 1" for b in batches[1:])]
+    return ["clients", *(f"agg tok/s, batch {b}" for b in batches), *(f"batch {b} / batch 1" for b in batches[1:]),
+            *(f"busy tok/s, batch {b}" for b in batches), *(f"busy: batch {b} / batch 1" for b in batches[1:])]
 
 
 def mismatch_lines(result: ServeLoadResult) -> list[str]:
@@ -88,12 +93,14 @@ def _run_dict(run: LoadRun, result: ServeLoadResult) -> dict:
     return {
         "max_batch": run.max_batch, "clients": run.clients, "order": run.order, **asdict(run.figures()),
         "batching_ratio": result.batching_ratio(run.max_batch, run.clients) if run.max_batch != 1 else None,
+        "busy_batching_ratio": result.batching_ratio(run.max_batch, run.clients, busy=True) if run.max_batch != 1 else None,
         "p50_latency_vs_lone": result.relative_latency(run) if run is not result.reference else None,
         "mismatch_details": [asdict(m) for m in run.mismatches],
         "requests_detail": [
             {"request": i, "prompt": i % len(result.prompts), "question_id": result.prompts[i % len(result.prompts)].question_id,
              "status": r.status, "error": r.error, "completion_tokens": r.completion_tokens,
-             "latency_s": round(r.latency_s, 6), "first_token_s": None if r.first_token_s is None else round(r.first_token_s, 6)}
+             "latency_s": round(r.latency_s, 6), "first_token_s": None if r.first_token_s is None else round(r.first_token_s, 6),
+             "sent_s": None if run.busy is None else round(r.sent_at - run.busy[0], 6)}
             for i, r in sorted(run.replies.items())
         ],
     }
@@ -158,6 +165,9 @@ def markdown(result: ServeLoadResult, plots: dict[str, str]) -> str:
         "Definitions (spirit.bench.serve_load): agg tok/s = completion tokens of all answered requests / the run's "
         "wall time; req tok/s = a request's completion tokens / its latency; TTFT = until the first streamed "
         "text; latency = until the stream ends, queueing included; percentiles interpolate linearly; "
+        "busy tok/s = completion tokens streamed while every client had a request in flight (from the first "
+        "request to the first client's last answer; `busy s`), over that time: the run without its tail, where "
+        "the last requests end one by one and fewer clients load the server; "
         f"vs batch 1 = agg tok/s over max_batch 1's at the same clients; p50 / lone = p50 latency over {lone}.", "",
         "## Per setting and client count", "", *markdown_table(HEAD, table_rows(result)), "",
         "## Batching: aggregate tok/s", "", *markdown_table(batching_head(result), batching_rows(result)), "",

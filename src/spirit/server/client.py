@@ -36,10 +36,26 @@ class StreamedReply:
     latency_s: float  # until the stream's end ("data: [DONE]")
     first_token_s: float | None  # until the first non-empty content piece; None: there was none
     error: str | None = None
+    sent_at: float = 0.0  # time.perf_counter() when the request went out
+    arrivals: tuple[tuple[float, int], ...] = ()  # per content piece: (seconds since sent, characters so far)
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
+
+    @property
+    def ended_at(self) -> float:
+        return self.sent_at + self.latency_s
+
+    def tokens_by(self, moment: float) -> float:
+        """Completion tokens streamed by `moment` (a time.perf_counter() time): all of them once
+        the stream has ended; before, that share of the text's characters times the usage
+        figure (the server counts tokens only at the end; within one answer, characters are
+        close enough to proportional to tokens for a load figure)."""
+        if moment >= self.ended_at:
+            return float(self.completion_tokens)
+        arrived = max((chars for seconds, chars in self.arrivals if self.sent_at + seconds <= moment), default=0)
+        return self.completion_tokens * arrived / len(self.text) if self.text else 0.0
 
 
 class ChatClient:
@@ -70,11 +86,11 @@ class ChatClient:
             response = self._conn.getresponse()
             if response.status != 200:
                 detail = _error_message(response.read())
-                return StreamedReply(response.status, "", 0, time.perf_counter() - t0, None, detail)
+                return StreamedReply(response.status, "", 0, time.perf_counter() - t0, None, detail, t0)
             return _read_events(response, t0)
         except (OSError, http.client.HTTPException) as exc:
             self.close()  # unusable now; the next request opens a new connection
-            return StreamedReply(0, "", 0, time.perf_counter() - t0, None, f"{type(exc).__name__}: {exc}")
+            return StreamedReply(0, "", 0, time.perf_counter() - t0, None, f"{type(exc).__name__}: {exc}", t0)
 
 
 def _error_message(body: bytes) -> str:
@@ -88,6 +104,8 @@ def _error_message(body: bytes) -> str:
 def _read_events(response: http.client.HTTPResponse, t0: float) -> StreamedReply:
     """The server-sent events of one chat completion: content pieces, usage, or an error."""
     pieces: list[str] = []
+    arrivals: list[tuple[float, int]] = []
+    chars = 0
     first: float | None = None
     tokens = 0
     error: str | None = None
@@ -107,11 +125,14 @@ def _read_events(response: http.client.HTTPResponse, t0: float) -> StreamedReply
         for choice in event.get("choices", ()):
             piece = choice.get("delta", {}).get("content")
             if piece:
+                now = time.perf_counter() - t0
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first = now
                 pieces.append(piece)
+                chars += len(piece)
+                arrivals.append((now, chars))
     response.read()  # drain, so the connection can carry the next request
-    return StreamedReply(200, "".join(pieces), tokens, time.perf_counter() - t0, first, error)
+    return StreamedReply(200, "".join(pieces), tokens, time.perf_counter() - t0, first, error, t0, tuple(arrivals))
 
 
 def run_clients(clients: int, take: Callable[[], int | None], connect: Callable[[], AbstractContextManager[C]],
