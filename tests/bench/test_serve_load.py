@@ -13,7 +13,7 @@ import pytest
 
 from spirit.bench.serve_cli import parse_clients
 from spirit.bench.serve_load import (
-    LoadRun, LoadSettings, busy_window, find_mismatches, first_difference, percentile, requests_for, run_order,
+    LoadRun, LoadSettings, ServeLoadResult, busy_window, find_mismatches, first_difference, percentile, requests_for, run_order,
 )
 from spirit.cli import build_parser, main
 from spirit.server.client import StreamedReply
@@ -82,6 +82,16 @@ def test_the_busy_window_ends_with_the_first_client_to_run_out():
     assert LoadRun(2, 2, 1, wall_s=8.0, replies=replies).figures().busy_tok_s is None
 
 
+def test_the_prefill_ceiling_is_solo_latency_over_solo_time_to_first_token():
+    reference = LoadRun(1, 1, 0, wall_s=9.0, replies={
+        0: reply("a", latency=5.0, first=1.0), 1: reply("b", latency=3.0, first=1.0),
+        2: reply("", status=500, error="boom", latency=40.0, first=None)})  # a failure counts for nothing
+    result = ServeLoadResult("tiny", "float32", LoadSettings(), [], reference, [])
+    assert result.prefill_ceiling() == 4.0  # (5 + 3) / (1 + 1)
+    result.reference = LoadRun(1, 1, 0, wall_s=1.0, replies={0: reply("", first=None)})
+    assert result.prefill_ceiling() is None
+
+
 def test_requests_and_order():
     assert [requests_for(26, c) for c in (1, 2, 4, 8, 16)] == [26, 26, 28, 32, 32]
     assert run_order(LoadSettings(clients=(1, 2, 4), max_batches=(1, 8))) == [(1, 1), (8, 1), (8, 2), (1, 2), (1, 4), (8, 4)]
@@ -147,6 +157,7 @@ def test_end_to_end(tiny, questions, tmp_path, capsys):
     # every run has a busy window within its wall time, and the streamed tokens in it
     assert all(0 < r["busy_s"] <= r["wall_s"] and r["busy_tok_s"] > 0 for r in data["runs"])
     assert data["runs"][1]["busy_batching_ratio"] > 0 and "busy: batch 2 / batch 1" in stdout
+    assert data["prefill_ceiling"] > 1 and "prefill ceiling" in stdout
     assert len(data["reference_texts"]) == 3 and data["command"].startswith("spirit bench-serve --model tiny")
     report = (out / "report.md").read_text()
     assert "machine:" in report and "spirit bench-serve --model tiny" in report and "![" in report

@@ -30,6 +30,30 @@ def test_the_kernel_builds_wherever_it_can():
     assert qgemm.available(), qgemm.status().reason
 
 
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
+    """torch's lock file outlives a process killed mid-build; under spirit's flock it is stale
+    and cleared, so the load goes on instead of waiting forever."""
+    (tmp_path / "lock").write_text("")  # what a build killed by Ctrl-C leaves
+    built = []
+    assert qgemm._load_locked(tmp_path, lambda: built.append((tmp_path / "lock").exists()) or "module") == "module"
+    assert built == [False]
+
+
+def test_the_build_folder_is_per_checkout(monkeypatch, tmp_path):
+    """Two checkouts of the same sources build apart (torch's build records source paths: a
+    shared folder would be rebuilt by each in turn)."""
+    here = qgemm._build_directory(["-O3"])
+    copies = []
+    for source in qgemm.SOURCES:
+        copy = tmp_path / source.name
+        copy.write_text(source.read_text())
+        copies.append(copy)
+    monkeypatch.setattr(qgemm, "KERNELS", tmp_path)
+    monkeypatch.setattr(qgemm, "SOURCES", tuple(copies))
+    elsewhere = qgemm._build_directory(["-O3"])
+    assert elsewhere != here and elsewhere.parent == here.parent
+
+
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernel multiplies by: x rounded to int8 per block of 32 (in float32, as the
     kernel computes it: d = max|x| / 127, q = round-half-even(x * (1 / d))), as float64."""

@@ -256,6 +256,15 @@ class ServeLoadResult:
         p50, base = run.figures().latency_p50_s, self.lone(run.max_batch).figures().latency_p50_s
         return p50 / base if p50 is not None and base else None
 
+    def prefill_ceiling(self) -> float | None:
+        """The solo reference's total latency over its total time to first token: the most any
+        batching can gain on these prompts and answer lengths. Prefill is compute-bound and
+        shared by no one, so a batched run still pays every prompt's prefill in turn; even if
+        decoding cost nothing, its aggregate tok/s could not exceed one-at-a-time's by more."""
+        ok = [r for r in self.reference.replies.values() if r.ok and r.first_token_s is not None]
+        first = sum(r.first_token_s for r in ok)
+        return sum(r.latency_s for r in ok) / first if first > 0 else None
+
     @property
     def mismatches(self) -> int:
         return sum(len(r.mismatches) for r in self.runs)

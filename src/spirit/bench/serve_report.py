@@ -79,7 +79,8 @@ def mismatch_lines(result: ServeLoadResult) -> list[str]:
 
 def summary(result: ServeLoadResult) -> str:
     """What the terminal shows: the table, the batching ratios, mismatches and errors."""
-    lines = [text_table(HEAD, table_rows(result)), "", text_table(batching_head(result), batching_rows(result))]
+    lines = [text_table(HEAD, table_rows(result)), "", text_table(batching_head(result), batching_rows(result)),
+             f"prefill ceiling (solo latency / solo time to first token): {_num(result.prefill_ceiling(), suffix='x')}"]
     problems = mismatch_lines(result)
     lines += ["", f"identical to the solo greedy text: {'yes' if not result.mismatches else 'NO'} "
                   f"({result.mismatches} mismatches, {result.errors} failed requests)", *problems[:20]]
@@ -116,7 +117,7 @@ def results_dict(result: ServeLoadResult) -> dict:
         "reference": _run_dict(result.reference, result),
         "reference_texts": [result.reference.replies[i].text for i in range(len(result.prompts))],
         "runs": [_run_dict(r, result) for r in result.runs],
-        "mismatches": result.mismatches, "errors": result.errors,
+        "mismatches": result.mismatches, "errors": result.errors, "prefill_ceiling": result.prefill_ceiling(),
     }
 
 
@@ -161,7 +162,10 @@ def markdown(result: ServeLoadResult, plots: dict[str, str]) -> str:
         "client count both settings back to back, their order reversed at each next client count",
         f"- {exactness_line(result.exactness)}",
         *(f"- {line}" for line in kernel_lines(result.machine)),
-        f"- total time {result.elapsed_s:.1f} s", "",
+        f"- total time {result.elapsed_s:.1f} s",
+        f"- prefill ceiling {_num(result.prefill_ceiling(), suffix='x')}: the solo reference's total latency over its "
+        "total time to first token, the most batching can gain on these prompts and answer lengths (each prompt's "
+        "prefill is compute-bound and batched with no other, so it costs the same in any setting)", "",
         "Definitions (spirit.bench.serve_load): agg tok/s = completion tokens of all answered requests / the run's "
         "wall time; req tok/s = a request's completion tokens / its latency; TTFT = until the first streamed "
         "text; latency = until the stream ends, queueing included; percentiles interpolate linearly; "

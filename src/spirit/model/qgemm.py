@@ -8,7 +8,7 @@ there, and it is row-invariant by construction, which exact speculation needs.
 
 The kernel is compiled once per source, torch version, CPU and instruction set with the
 machine's C++ compiler (torch.utils.cpp_extension, about 30 s) and kept under
-`~/.cache/spirit/kernels/`. Without a compiler, or with `SPIRIT_KERNEL=torch`, torch's own ops
+`~/.cache/spirit/kernels/`, one folder per checkout (`_build_directory`). Without a compiler, or with `SPIRIT_KERNEL=torch`, torch's own ops
 run instead and `status()` says why. When torch is held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`,
 to stand in for an AVX2-only CPU) the kernel is held to AVX2 too.
 """
@@ -20,6 +20,7 @@ import hashlib
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -64,10 +65,29 @@ def _compile_flags() -> list[str]:
 def _build_directory(flags: list[str]) -> Path:
     from spirit.model.bundled import cache_root
 
-    # -march=native code is this CPU's: the flags stand for it (the model name adds nothing)
-    key = hashlib.sha256("|".join([*(source.read_text() for source in SOURCES), torch.__version__, sys.version, platform.machine(),
-                                   " ".join(sorted(_cpu_flags())), " ".join(flags)]).encode()).hexdigest()[:16]
+    # -march=native code is this CPU's: the flags stand for it (the model name adds nothing).
+    # The sources' folder is in the key: torch's build records the source paths, so two
+    # checkouts of the same sources sharing a folder would rebuild it in turn, each replacing
+    # the library the other loads.
+    key = hashlib.sha256("|".join([*(source.read_text() for source in SOURCES), str(KERNELS.resolve()), torch.__version__,
+                                   sys.version, platform.machine(), " ".join(sorted(_cpu_flags())),
+                                   " ".join(flags)]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"qgemm-{key}"
+
+
+def _load_locked(directory: Path, build: Callable[[], ModuleType]) -> ModuleType:
+    """`build()` (torch's cpp_extension.load into `directory`) under an flock of our own.
+
+    torch guards a build with a lock file that a process killed mid-build (Ctrl-C during the
+    first load) leaves behind, and every later load then waits on it forever, saying nothing.
+    An flock is released when its process dies; builds of this folder all take it first, so
+    while we hold it no live process is building, and a lock file left there is stale."""
+    import fcntl
+
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        return build()
 
 
 @functools.cache
@@ -85,8 +105,9 @@ def _extension() -> tuple[ModuleType | None, str]:
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
-        module = load(name=f"spirit_qgemm_{directory.name.split('-')[1]}", sources=[str(source) for source in SOURCES],
-                      extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        module = _load_locked(directory, lambda: load(
+            name=f"spirit_qgemm_{directory.name.split('-')[1]}", sources=[str(source) for source in SOURCES],
+            extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False))
     except Exception as error:  # no compiler, no headers, a read-only cache: torch's ops still work
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return None, f"spirit's kernel could not be built ({first_line[:200]}): torch's own int4/int8 ops"
