@@ -2,6 +2,7 @@
 how much of the machine continuous batching recovers once the prompts are in the cache.
 
     python benchmarks/batch_decode.py --model qwen2.5-coder-1.5b --batches 1,2,4,8 --tokens 64
+    python benchmarks/batch_decode.py --prompts 8 --batches 1,8 --methods vanilla --tokens 32 --repeats 1
 
 For each batch size B and method (interleaved: every B for every method in one repeat, the
 order reversed at each next repeat, after a warm-up), the selected Spec-Bench prompts (the
@@ -75,6 +76,8 @@ def main() -> int:
     p.add_argument("--weights", default="auto")
     p.add_argument("--questions", default=str(Path(__file__).resolve().parents[2] / "shared/data/specbench/dev.jsonl"))
     p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=None,
+                   help="only the first N selected prompts (N = the largest batch: every request of it decodes together)")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--methods", default="vanilla,spirit")
     p.add_argument("--tokens", type=int, default=64)
@@ -84,7 +87,7 @@ def main() -> int:
 
     lm = spirit.load(args.model, dtype=args.dtype, weights=args.weights)
     questions = select(load_questions(args.questions), per_category=args.per_category)
-    prompts = [q.turns[0] for q in questions]
+    prompts = [q.turns[0] for q in questions][: args.prompts]
     batches = [int(b) for b in args.batches.split(",")]
     methods = args.methods.split(",")
     for method in methods:  # warm-up (and any calibration) outside the timed runs
