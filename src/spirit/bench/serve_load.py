@@ -32,11 +32,11 @@ Figures (`RunFigures`), all from the client's side, queueing included:
 - latency = until the stream's end; percentiles by linear interpolation (`percentile`);
 - busy tok/s = completion tokens streamed while every client had a request in flight, over
   that time (`busy_window`): from the first request to the moment the first client has no
-  request left. A run's last requests end one by one, and from then on fewer than c clients
-  load the server: with few requests per client that tail is a large part of a batched
-  server's wall time (one at a time, the queue keeps it busy to the end), while c clients
-  that keep sending keep it loaded. A request cut by the window's end counts the share of its text that had
-  arrived (`StreamedReply.tokens_by`);
+  request left, so without the run's tail, where the last requests end one by one and fewer
+  than c clients load the server. It keeps the start, where every client's first prompt
+  arrives at once, so a short run's figure is not the steady state either (docs/server.md).
+  A request cut by the window's end counts the share of its text that had arrived
+  (`StreamedReply.tokens_by`);
 - batching ratio = aggregate tok/s of `max_batch` N over `max_batch` 1 at the same client
   count; p50 latency relative to a lone request = the run's p50 latency over the same
   setting's p50 at 1 client (the solo reference's p50 when 1 client is not in the run).
@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from spirit.bench.questions import Question
@@ -169,7 +169,8 @@ class RunFigures:
     busy_tok_s: float | None = None
 
 
-def busy_window(replies: Mapping[int, StreamedReply], client_of: Mapping[int, int]) -> tuple[float, float] | None:
+def busy_window(replies: Mapping[int, StreamedReply],
+                client_of: Mapping[int, Hashable]) -> tuple[float, float] | None:
     """The (start, end) time.perf_counter() times during which every client had a request in
     flight: from the first request sent to the first client's last answer (a closed-loop
     client has one request in flight from its first send to its last answer). `client_of`:
@@ -177,7 +178,7 @@ def busy_window(replies: Mapping[int, StreamedReply], client_of: Mapping[int, in
     if not replies:
         return None
     start = min(r.sent_at for r in replies.values())
-    last: dict[int, float] = {}
+    last: dict[Hashable, float] = {}
     for index, r in replies.items():
         last[client_of[index]] = max(last.get(client_of[index], start), r.ended_at)
     return start, min(last.values())
