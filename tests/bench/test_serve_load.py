@@ -13,7 +13,8 @@ import pytest
 
 from spirit.bench.serve_cli import parse_clients
 from spirit.bench.serve_load import (
-    LoadRun, LoadSettings, ServeLoadResult, busy_window, find_mismatches, first_difference, percentile, requests_for, run_order,
+    LoadRun, LoadSettings, ServeLoadResult, busy_window, find_mismatches, first_difference, percentile, requests_for,
+    run_order,
 )
 from spirit.cli import build_parser, main
 from spirit.server.client import StreamedReply
