@@ -9,8 +9,9 @@ there, and it is row-invariant by construction, which exact speculation needs.
 The kernel is compiled once per source, torch version, CPU and instruction set with the
 machine's C++ compiler (torch.utils.cpp_extension, about 30 s) and kept under
 `~/.cache/spirit/kernels/`, one folder per checkout (`_build_directory`). Without a compiler,
-or with `SPIRIT_KERNEL=torch`, torch's own ops run instead and `status()` says why. When torch is held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`,
-to stand in for an AVX2-only CPU) the kernel is held to AVX2 too.
+or with `SPIRIT_KERNEL=torch`, torch's own ops run instead and `status()` says why. When torch
+is held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`, to stand in for an AVX2-only CPU) the kernel is
+held to AVX2 too.
 """
 
 from __future__ import annotations
