@@ -266,3 +266,108 @@ def test_bad_shapes_are_refused_with_a_message():
 def test_the_status_names_the_instruction_set():
     status = qgemm.status()
     assert status.available and status.isa in ("avx512-vnni", "avx512-vnni-256", "avx-vnni", "avx2") and status.isa in status.reason
+
+
+# AMX tile products (kernels/qgemm.cpp, "Many rows on CPUs with AMX"): the panels' layout is
+# checked on any CPU; the products themselves where the CPU has AMX.
+
+needs_amx = pytest.mark.skipif(not (qgemm.available() and qgemm.amx()),
+                               reason="no AMX tile products here (CPU without AMX, or the OS withholds them)")
+
+
+def _packed(fmt: str, out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> PackedWeight:
+    weight = torch.randn(out_features, in_features) * 0.05
+    if fmt == "int4":
+        codes, scale, zero = int4_groups(weight)
+        return pack_int4(codes, scale, zero, dtype)
+    return quantize_int8(weight, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_tile_panels_hold_the_grouped_blocks_in_tile_order(monkeypatch, fmt):
+    """Panel p, block b = 16g + l: a tile of 512 bytes, byte 64k + 4n + j input 4k + j of weight
+    row 16p + n, one code per byte. In the packed row that input is, for int8, byte 64k + 4l + j
+    of group g; for int4, the low nibble of byte 64k + 4l + j (k < 4) or the high nibble of
+    byte 64(k - 4) + 4l + j. Then the block's 16 scales (and offsets) by weight row; rows past
+    the weight are zero. Read back here from the packed tensors by that definition, so a wrong
+    permutation fails on any CPU."""
+    monkeypatch.setattr(qgemm, "amx", lambda: True)
+    torch.manual_seed(3)
+    out_features, blocks = 21, 40  # two panels (the second part padding), two groups and 8 blocks after
+    packed = _packed(fmt, out_features, blocks * INT4_GROUP)
+    panels = packed.tile_panels()
+    grouped = 32
+    code_bytes = grouped * 512
+    assert panels is not None and panels.dtype == torch.uint8
+    assert panels.shape == (2, code_bytes + grouped * 32 * (2 if fmt == "int4" else 1))
+    codes = packed.codes.view(torch.uint8)
+    group_bytes = 256 if fmt == "int4" else 512
+    for p, n, b in [(0, 0, 0), (0, 5, 17), (1, 4, 31), (0, 15, 16), (1, 3, 9)]:
+        row, g, lane = 16 * p + n, b // 16, b % 16
+        for k in range(8):
+            tile = panels[p, 512 * b + 64 * k + 4 * n : 512 * b + 64 * k + 4 * n + 4]
+            at = g * group_bytes + 64 * (k % 4 if fmt == "int4" else k) + 4 * lane
+            packed_bytes = codes[row, at : at + 4]
+            if fmt == "int4":
+                packed_bytes = packed_bytes & 15 if k < 4 else packed_bytes >> 4
+            assert torch.equal(tile, packed_bytes), (p, n, b, k)
+        scales = panels[p, code_bytes + 32 * b : code_bytes + 32 * b + 32].view(torch.float16)
+        assert scales[n] == packed.scales.reshape(out_features, -1)[row, b]
+        if fmt == "int4":
+            offsets = panels[p, code_bytes + 32 * grouped + 32 * b :][:32].view(torch.float16)
+            assert offsets[n] == packed.offsets.reshape(out_features, -1)[row, b]
+    assert not panels[1, :code_bytes].view(grouped, 8, 16, 4)[:, :, 5:].any()  # weight rows 21..31: padding
+
+
+@needs_kernel
+def test_no_panels_where_there_is_no_whole_group_or_no_amx(monkeypatch):
+    monkeypatch.setattr(qgemm, "amx", lambda: True)
+    assert _packed("int4", 16, 480).tile_panels() is None  # 15 blocks: no group of 16
+    monkeypatch.setattr(qgemm, "amx", lambda: False)
+    assert _packed("int4", 16, 512).tile_panels() is None
+
+
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(["int4", "int8"]), blocks=st.integers(16, 60), out_features=st.integers(1, 40),
+       rows=st.integers(1, 80), bf16=st.booleans(), seed=st.integers(0, 2**16))
+@example(fmt="int4", blocks=48, out_features=32, rows=16, bf16=True, seed=0)  # only groups, whole panels and tiles
+@example(fmt="int8", blocks=32, out_features=40, rows=9, bf16=False, seed=3)  # int8 from 8 rows, a partial tile of rows
+@example(fmt="int8", blocks=280, out_features=17, rows=70, bf16=True, seed=1)  # 8 blocks after 17 groups; 5 tiles of rows
+@example(fmt="int4", blocks=35, out_features=5, rows=64, bf16=False, seed=2)  # a pair and a lone block after the groups
+def test_amx_tile_products_give_the_bits_of_one_row_products(fmt, blocks, out_features, rows, bf16, seed):
+    """Row counts below the tile path's thresholds (kernels/qgemm.cpp SPIRIT_AMX_MIN_ROWS_*: 8 rows
+    for int8, 16 for int4, 64 where blocks follow the groups) take the VNNI path: the examples
+    and the range of rows reach past each."""
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    packed = _packed(fmt, out_features, blocks * INT4_GROUP, dtype)
+    panels = packed.tile_panels()
+    assert panels is not None
+    x = torch.randn(rows, blocks * INT4_GROUP).to(dtype)
+    bias = torch.randn(out_features)
+    tiles = qgemm.qgemm(x, packed.codes, packed.scales, packed.offsets, bias, packed.bits, panels)
+    one_row = torch.cat([qgemm.qgemm(x[i : i + 1], packed.codes, packed.scales, packed.offsets, bias, packed.bits)
+                         for i in range(rows)])
+    assert torch.equal(tiles, one_row)
+    assert torch.equal(tiles, qgemm.qgemm(x, packed.codes, packed.scales, packed.offsets, bias, packed.bits))
+
+
+@needs_amx
+def test_amx_sums_at_their_largest_are_exact():
+    """Codes 15 (int4) or +-127 (int8) against activation codes +-127 over three groups: the
+    tile products' int32 sums against the one-row products' (VNNI)."""
+    for fmt in ("int4", "int8"):
+        sign = torch.where(torch.arange(48) % 3 == 0, -1.0, 1.0).repeat_interleave(INT4_GROUP)
+        weight = sign.repeat(16, 1)
+        weight[1::2, ::3] = -weight[1::2, ::3]
+        if fmt == "int4":
+            codes = torch.full((16, 1536), 15, dtype=torch.uint8)
+            codes[1::2, ::3] = 0
+            packed = pack_int4(codes, torch.full((16, 48), 0.25), torch.full((16, 48), 0.5), torch.float32)
+        else:
+            packed = quantize_int8(weight, torch.float32)
+        x = torch.stack([sign * 3.0, -sign * 0.5, torch.full((1536,), 2.0), sign]).repeat(4, 1)  # 16 rows: tiles
+        y = packed.matmul(x, packed.tile_panels())
+        assert torch.equal(torch.cat([packed.matmul(x[i : i + 1]) for i in range(len(x))]), y), fmt

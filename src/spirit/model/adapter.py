@@ -26,6 +26,7 @@ from spirit.model.attention import RowKeys
 from spirit.model.exactness import Exactness, check_exactness
 from spirit.model.fused import PassKeys, fused_decoder
 from spirit.model.kv_cache import KVCache, PackedCaches
+from spirit.model.lowbit import PackedLinear
 from spirit.skipset import SkipSet
 
 
@@ -132,6 +133,8 @@ class SkippableModel:
         causal_lm.set_attn_implementation(attention.register())
         # a low-bit target's layers as a few calls into spirit's kernels (model/fused.py), where it can
         self.fused, self.fused_reason = fused_decoder(causal_lm, self.dtype)
+        if self.fused is not None and isinstance(self.lm_head, PackedLinear):
+            self.lm_head.keep_tile_panels()  # batched and verifying passes run it over many rows
         self.exactness = exactness if exactness is not None else check_exactness(self)
 
     @property

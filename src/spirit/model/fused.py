@@ -55,6 +55,7 @@ class Projection:
         self.parts: tuple[PackedLinear, ...] = tuple(linears)
         self.weight: PackedWeight | None = None
         self.bias: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None  # the weight in AMX tile order, where that runs here
         if len(linears) == 1:
             self.weight = linears[0].weight_packed
             self.bias = None if linears[0].bias is None else linears[0].bias.float()
@@ -70,6 +71,8 @@ class Projection:
                 end = start + linear.out_features
                 linear.weight_packed = _rows(self.weight, start, end)
                 start = end
+        if self.weight is not None:
+            self.panels = self.weight.tile_panels()
 
     def __call__(self, x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, sum of outs]. With `scratch` (bf16, at least out x in
@@ -77,9 +80,9 @@ class Projection:
         w = self.weight
         if w is None:
             return torch.cat([linear(x) for linear in self.parts], dim=-1)
-        bits = 8 if w.fmt == "int8" else 4
+        bits = w.bits
         if scratch is None or x.dtype != torch.bfloat16:
-            return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, bits)
+            return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, bits, self.panels)
         dense = scratch[: w.out_features * w.in_features].view(w.out_features, w.in_features)
         y = F.linear(x, qgemm.dequantize(w.codes, w.scales, w.offsets, dense, bits))
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -55,6 +55,7 @@ class PackedLinear(nn.Module):
         # of a packed weight cannot always be gathered). Not a buffer: never saved.
         self.row_source: torch.Tensor | None = None
         self.file_codes = False  # packed from a GGUF file's own 4-bit codes (not re-quantized)
+        self.panels: torch.Tensor | None = None  # the weight in AMX tile order (keep_tile_panels)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, activation: torch.dtype) -> "PackedLinear":
@@ -93,8 +94,13 @@ class PackedLinear(nn.Module):
     def device(self) -> torch.device:
         return self.weight_packed.codes.device
 
+    def keep_tile_panels(self) -> None:
+        """Keep the weight in AMX tile order too, where many-row products run on AMX here:
+        a target's lm_head in a batched or verifying pass (the same bits, more memory)."""
+        self.panels = self.weight_packed.tile_panels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight_packed.matmul(x.reshape(-1, self.in_features)).to(x.dtype)
+        y = self.weight_packed.matmul(x.reshape(-1, self.in_features), self.panels).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -112,7 +112,8 @@ def _extension() -> tuple[ModuleType | None, str]:
     except Exception as error:  # no compiler, no headers, a read-only cache: torch's ops still work
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return None, f"spirit's kernel could not be built ({first_line[:200]}): torch's own int4/int8 ops"
-    return module, f"spirit's kernel ({module.isa()} integer dot products, row-invariant)"
+    tiles = ", AMX tile products for many rows" if module.amx() else ""
+    return module, f"spirit's kernel ({module.isa()} integer dot products{tiles}, row-invariant)"
 
 
 def status() -> KernelStatus:
@@ -139,11 +140,57 @@ def extension() -> ModuleType:
 
 
 def qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-          bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+          bias: torch.Tensor | None, bits: int, panels: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, in] (float32 or bf16) x packed [out, in] -> [rows, out] in x's dtype; see
-    kernels/qgemm.cpp for the formats."""
+    kernels/qgemm.cpp for the formats. `panels` (tile_panels of the same weight): many-row
+    products take AMX tile products where the CPU has them, with the same bits."""
     empty = _EMPTY
-    return extension().qgemm(x, codes, scale, empty if offset is None else offset, empty if bias is None else bias, bits)
+    return extension().qgemm(x, codes, scale, empty if offset is None else offset, empty if bias is None else bias, bits,
+                             empty if panels is None else panels)
+
+
+def amx() -> bool:
+    """Whether many-row products can take AMX tile products here (kernels/qgemm.cpp);
+    `SPIRIT_AMX=0` turns them off (to compare, or to save the panels' memory)."""
+    return os.environ.get("SPIRIT_AMX", "1") != "0" and available() and extension().amx()
+
+
+GROUP_INPUTS = 512  # inputs per interleaved group of 16 blocks of 32 (kernels/qgemm.cpp)
+PANEL_ROWS = 16  # weight rows per tile panel
+
+
+def tile_panels(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> torch.Tensor | None:
+    """A packed weight's interleaved groups again in AMX tile order (kernels/qgemm.cpp, "Many
+    rows on CPUs with AMX"): uint8 [ceil(out / 16), panel bytes], one row per 16 weight rows,
+    per block of 32 inputs its tile (512 bytes: byte 64k + 4n + j is input 4k + j of weight row
+    n, one code per byte, so int4's nibbles come apart here and not in every product), then per
+    block its 16 float16 scales (and offsets) by weight row. Rows past `out` are zero. It costs
+    a byte per weight of the grouped part, kept beside the packed weight for many-row products.
+    None where AMX does not run here or the weight has no whole group (in < 512)."""
+    in_features = codes.shape[1] * (2 if bits == 4 else 1)
+    groups = in_features // GROUP_INPUTS
+    if groups == 0 or not amx():
+        return None
+    rows = codes.shape[0]
+    panel_count = -(-rows // PANEL_ROWS)
+    padded = panel_count * PANEL_ROWS
+    blocks = groups * 16
+    steps = 4 if bits == 4 else 8  # 64-byte steps per group: byte 64c + 4l + j is step c of block l
+
+    def padded_rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(padded - rows, *t.shape[1:])]) if padded > rows else t
+
+    grouped_codes = padded_rows(codes[:, : groups * 16 * steps * 4].contiguous().view(torch.uint8))
+    # [panel, n, group, step, block l, j] -> [panel, group, block l, step, n, j]
+    tiled = grouped_codes.view(panel_count, PANEL_ROWS, groups, steps, 16, 4).permute(0, 2, 4, 3, 1, 5)
+    if bits == 4:  # step c's low nibbles are inputs 4c + j (tile row c), its high ones 16 + 4c + j (row 4 + c)
+        tiled = torch.cat([tiled & 15, tiled >> 4], dim=3)
+    parts = [tiled.reshape(panel_count, -1)]
+    for halves in (scale, offset) if bits == 4 else (scale,):
+        by_row = padded_rows(halves.reshape(rows, -1)[:, :blocks].contiguous())  # [n, block]
+        parts.append(by_row.view(panel_count, PANEL_ROWS, blocks).transpose(1, 2)
+                     .reshape(panel_count, -1).view(torch.uint8))
+    return torch.cat(parts, dim=1).contiguous()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, out: torch.Tensor,

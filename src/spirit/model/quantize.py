@@ -80,14 +80,26 @@ class PackedWeight:
     out_features: int
     in_features: int
 
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """[rows, in] -> [rows, out] in the activation dtype."""
+    def matmul(self, rows: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, in] -> [rows, out] in the activation dtype. `panels`: this weight in AMX tile
+        order (tile_panels), for many-row products on CPUs with AMX (spirit's kernel only)."""
         rows = rows.to(self.activation)
         if self.kernel == "spirit":
-            return qgemm.qgemm(rows, self.codes, self.scales, self.offsets, None, 8 if self.fmt == "int8" else 4)
+            return qgemm.qgemm(rows, self.codes, self.scales, self.offsets, None, self.bits, panels)
         if self.fmt == "int8":
             return int8_matmul(rows, self.codes, self.scales)
         return int4_matmul(rows, self.codes, INT4_GROUP, self.scales)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.fmt == "int8" else 4
+
+    def tile_panels(self) -> torch.Tensor | None:
+        """This weight again in AMX tile order, or None where many-row products do not run on
+        AMX here (model/qgemm.tile_panels): the same bits, as many bytes again."""
+        if self.kernel != "spirit":
+            return None
+        return qgemm.tile_panels(self.codes, self.scales, self.offsets, self.bits)
 
     @property
     def nbytes(self) -> int:

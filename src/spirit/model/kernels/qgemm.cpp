@@ -35,9 +35,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <array>
 #include <utility>
@@ -49,6 +52,28 @@ constexpr int64_t kBlock = 32;
 // AVX-512 with VNNI (Xeons since Cascade Lake, AMD Zen 4): the 8-block loop runs 512 bits wide
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPIRIT_WIDE 1
+#endif
+// AMX tile products (Sapphire Rapids and later) for many rows; -DSPIRIT_NO_AMX leaves them out
+#if defined(SPIRIT_WIDE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(SPIRIT_NO_AMX)
+#define SPIRIT_AMX 1
+#endif
+// Products of this many rows or more take the tile path where it runs; below, the VNNI path
+// measured as fast or faster (a tile product costs about the same for 1 row as for 16).
+// Measured with the weights cycled through 1.2 GB, so read from memory as in a model
+// (benchmarks/amx_speed.py), time of the tile path over the VNNI path's, on a Xeon with AMX:
+//   int8 17920x1536: 0.98 / 0.78 / 0.62 / 0.53 at 4 / 8 / 16 / 32 rows;
+//   int4 17920x1536: 1.27 / 0.89 / 0.78 at 8 / 16 / 32 rows (its panels hold a byte per code,
+//     twice the packed weight's bytes to read: the VNNI path reads the nibbles);
+//   1536x8960 (8 blocks after 17 groups, which run one weight row at a time either way):
+//     int4 1.05 / 1.02 / 1.14 at 8 / 16 / 32 rows, int8 0.96 / 1.05 / 1.01 at 4 / 8 / 16.
+#ifndef SPIRIT_AMX_MIN_ROWS_INT8
+#define SPIRIT_AMX_MIN_ROWS_INT8 8
+#endif
+#ifndef SPIRIT_AMX_MIN_ROWS_INT4
+#define SPIRIT_AMX_MIN_ROWS_INT4 16
+#endif
+#ifndef SPIRIT_AMX_MIN_ROWS_REMAINDER
+#define SPIRIT_AMX_MIN_ROWS_REMAINDER 64  // a prefill chunk (128 rows) still takes it
 #endif
 #ifndef SPIRIT_ROWS_PER_CHUNK
 #define SPIRIT_ROWS_PER_CHUNK 4
@@ -101,8 +126,10 @@ inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the high half of a 
 // the same arithmetic as one value at a time: max |x| exactly, d = max / 127 and 1 / d in
 // scalar float, codes rounded to nearest even as nearbyint does, an exact integer sum.
 // The codes go in the grouped order (grouped_index) that both weight formats use.
+// `grouped_order` false: every block's codes in input order (the AMX path's tiles read a block's
+// 32 codes as one row).
 template <typename T>
-QuantizedRows quantize_rows(const at::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool grouped_order = true) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   QuantizedRows q{at::empty({M, K}, at::kChar), at::empty({M, nb}, at::kFloat), at::empty({M, nb}, at::kFloat),
                   at::empty({M, nb}, at::kInt)};
@@ -111,7 +138,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   float* dp = q.scale.data_ptr<float>();
   float* sp = q.sum.data_ptr<float>();
   int32_t* cp = q.code_sum.data_ptr<int32_t>();
-  const int64_t in_groups = grouped_blocks(nb);
+  const int64_t in_groups = grouped_order ? grouped_blocks(nb) : 0;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t i = begin; i < end; ++i) {
@@ -607,6 +634,198 @@ void chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, co
 }
 #endif
 
+#ifdef SPIRIT_AMX
+// Many rows on CPUs with AMX (Xeons since Sapphire Rapids): the interleaved groups' integer sums
+// come from tile dot products, one block of 32 inputs at a time for 16 weight rows (a "panel")
+// against up to 16 activation rows. Why: with VNNI every extra activation row is another full
+// set of dot products (8 rows measured 2.8x one row's time, 128 rows 211 GMAC/s on two cores);
+// a tile product does a block for 16 x 16 (weight row, row) pairs in one instruction, and what
+// is left per pair is the float step row_times_rows takes anyway.
+//
+// Same bits as row_times_rows: integer sums are exact in any order, and each float operation
+// is the one row_times_rows does on that block's lane (acc = (ws * xd) * sum + acc, then for
+// int4 acc = os * xs + acc), only vectorized across the panel's 16 weight rows instead of
+// across a group's 16 blocks; the 16 lanes are then reduced in row_times_rows' tree (lane
+// i + i+8, i + i+4, i + i+2, i + i+1, + 0), or handed to it where blocks follow the groups.
+//
+// The panels (model/qgemm.py tile_panels) hold the grouped blocks in tile order, made once
+// when a model loads: per panel of 16 weight rows and block, a tile of 512 bytes (byte
+// 64k + 4n + j: input 4k + j of weight row n, one code per byte for int4 too: unpacking the
+// nibbles in each product measured 0.48 ms of a 1.33 ms 8-row product), then the block's 16
+// float16 scales (and offsets) by weight row. Rows past N are zero.
+constexpr int64_t kPanel = 16;  // weight rows per tile product (a tile's 16 int32 columns)
+
+// Linux hands a process the tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XTILEDATA); where that fails (older kernels, a VM that hides them) the VNNI path runs.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0, 1: int32 sums [rows][16]; 2, 3: activation codes [rows][32]; 4, 5: a block of the
+// panel's weights [8][64] (input 4k + j of weight row n at 64k + 4n + j). Two of each, so one
+// block's products run while the other's sums are read.
+inline void configure_tiles(int rows) {
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = rows, config.colsb[t] = 64;
+  for (int t : {2, 3}) config.rows[t] = rows, config.colsb[t] = 32;
+  for (int t : {4, 5}) config.rows[t] = 8, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// The float step of one block for R rows: sums [R][16] int32 by weight row.
+template <bool Int4, int R>
+inline void panel_block_update(__m512 (&acc)[R], const int32_t* sums, const uint16_t* scale, const uint16_t* offset,
+                               const Rows& x, int64_t b) {
+  const __m512 ws = half16_to_float(scale);
+  const __m512 os = Int4 ? half16_to_float(offset) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 factor = _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[r * x.nb + b]));
+    acc[r] = _mm512_fmadd_ps(factor, _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), acc[r]);
+    if constexpr (Int4) acc[r] = _mm512_fmadd_ps(os, _mm512_set1_ps(x.sum[r * x.nb + b]), acc[r]);
+  }
+}
+
+// Block b's products for the panel's 16 weight rows against R rows into tile T (0 or 1),
+// from activation codes in tile 2 + T and weights in tile 4 + T.
+// (GCC's tile intrinsics are macros that paste the tile number: it must be a literal.)
+template <bool Int4, int T>
+inline void issue_block(const uint8_t* tiles, const Rows& x, int64_t b) {
+  const int8_t* codes = x.codes + b * kBlock;
+  const uint8_t* weights = tiles + 512 * b;
+  if constexpr (T == 0) {
+    _tile_zero(0);
+    _tile_loadd(2, codes, x.K);
+    _tile_loadd(4, weights, 64);
+    if constexpr (Int4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
+  } else {
+    _tile_zero(1);
+    _tile_loadd(3, codes, x.K);
+    _tile_loadd(5, weights, 64);
+    if constexpr (Int4) _tile_dpbsud(1, 3, 5); else _tile_dpbssd(1, 3, 5);
+  }
+}
+
+// One panel's grouped blocks against R activation rows (plain-order codes `x`), into
+// lanes [R][16 blocks of a group][16 weight rows]: row_times_rows' group_wide, transposed.
+// `tiles`: the panel's weights as tiles (block b at 512 b); `scale`, `offset`: 16 per block.
+// Lane by lane: lane l's blocks l, 16 + l, 32 + l, ... in order (its sum runs over the groups
+// in order), two blocks' tile products in flight at once. `next`, `next_bytes`: the next
+// panel, asked for a sixteenth per lane, so it streams in while this one is computed (without
+// it, 8 rows of int8 read the panels at 32 GB/s where one VNNI row reads 46; the prefetch's
+// own gain was not measured apart).
+template <bool Int4, int R>
+void panel_lanes(const uint8_t* tiles, const uint16_t* scale, const uint16_t* offset, const Rows& x, float* lanes,
+                 const uint8_t* next, int64_t next_bytes) {
+  const int64_t groups = grouped_blocks(x.nb) / kGroup;
+  const int64_t lines_per_lane = (next_bytes / 64 + kGroup - 1) / kGroup;
+  alignas(64) int32_t sums[2][16 * 16];
+  for (int l = 0; l < kGroup; ++l) {
+    const char* ahead = reinterpret_cast<const char*>(next) + 64 * lines_per_lane * l;
+    for (int64_t line = 0; line < lines_per_lane && 64 * (lines_per_lane * l + line) < next_bytes; ++line)
+      _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 2) {
+      const int64_t b0 = g * kGroup + l, b1 = b0 + kGroup;
+      const bool pair = g + 1 < groups;
+      issue_block<Int4, 0>(tiles, x, b0);
+      if (pair) issue_block<Int4, 1>(tiles, x, b1);
+      _tile_stored(0, sums[0], 64);
+      panel_block_update<Int4, R>(acc, sums[0], scale + 16 * b0, offset + 16 * b0, x, b0);
+      if (pair) {
+        _tile_stored(1, sums[1], 64);
+        panel_block_update<Int4, R>(acc, sums[1], scale + 16 * b1, offset + 16 * b1, x, b1);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(lanes + 256 * r + 16 * l, acc[r]);
+  }
+}
+
+using PanelKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Rows&, float*, const uint8_t*,
+                             int64_t);
+template <bool Int4, int... R>
+PanelKernel panel_kernel_of(int64_t rows, std::integer_sequence<int, R...>) {
+  static constexpr PanelKernel table[] = {&panel_lanes<Int4, R + 1>...};
+  return table[rows - 1];
+}
+
+// The tree of row_times_rows' reduction over a group's 16 lanes, for 16 weight rows at once
+inline __m512 reduce_lanes_by_row(const float* lanes) {
+  __m512 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = _mm512_add_ps(_mm512_load_ps(lanes + 16 * i), _mm512_load_ps(lanes + 16 * (i + 8)));
+  for (int i = 0; i < 4; ++i) v[i] = _mm512_add_ps(v[i], v[i + 4]);
+  for (int i = 0; i < 2; ++i) v[i] = _mm512_add_ps(v[i], v[i + 2]);
+  return _mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_setzero_ps());
+}
+
+template <bool Int4, typename T>
+void gemm_amx(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+              const at::Tensor& panels, const float* bias, at::Tensor& y) {
+  const int64_t M = xq.codes.size(0), K = xq.codes.size(1), N = codes.size(0), nb = K / kBlock;
+  const int64_t grouped = grouped_blocks(nb), row_bytes = Int4 ? K / 2 : K;
+  const int64_t code_bytes = 512 * grouped, half_bytes = 2 * 16 * grouped;
+  const int64_t panel_bytes = code_bytes + (Int4 ? 2 : 1) * half_bytes;
+  const uint8_t* pp = panels.data_ptr<uint8_t>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* op = Int4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
+  const Rows all{xq.codes.data_ptr<int8_t>(), xq.scale.data_ptr<float>(), xq.sum.data_ptr<float>(),
+                 xq.code_sum.data_ptr<int32_t>(), K, nb};
+  T* yp = y.data_ptr<T>();
+  const int64_t panel_count = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+    float* lanes = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 16 * 256));
+    int configured = 0;
+    alignas(64) float grouped_sums[kRowsPerChunk * 16];
+    float out[kRowsPerChunk];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = pp + p * panel_bytes;
+      const uint16_t* pscale = reinterpret_cast<const uint16_t*>(panel + code_bytes);
+      const uint16_t* poffset = Int4 ? pscale + 16 * grouped : nullptr;
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+        if (rows != configured) configure_tiles(rows), configured = rows;
+        const Rows x = all.from(m0);
+        panel_kernel_of<Int4>(rows, std::make_integer_sequence<int, 16>{})(
+            panel, pscale, poffset, x, lanes, panel + panel_bytes, m0 == 0 && p + 1 < end ? panel_bytes : 0);
+        if (grouped == nb) {
+          for (int r = 0; r < rows; ++r) {
+            alignas(64) float totals[16];
+            _mm512_store_ps(totals, reduce_lanes_by_row(lanes + 256 * r));
+            for (int64_t c = 0; c < cols; ++c)
+              yp[(m0 + r) * N + n0 + c] = static_cast<T>(bias ? totals[c] + bias[n0 + c] : totals[c]);
+          }
+          continue;
+        }
+        // blocks after the groups: row_times_rows finishes each (weight row, row) pair from its lanes
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t n = n0 + c;
+          for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerChunk) {
+            const int64_t part = std::min<int64_t>(kRowsPerChunk, rows - r0);
+            for (int64_t r = 0; r < part; ++r)
+              for (int l = 0; l < 16; ++l) grouped_sums[16 * r + l] = lanes[256 * (r0 + r) + 16 * l + c];
+            rows_kernel<Int4>(part)(wp + n * row_bytes, sp + n * nb, Int4 ? op + n * nb : nullptr, x.from(r0), out,
+                                    grouped_sums, false);
+            for (int64_t r = 0; r < part; ++r)
+              yp[(m0 + r0 + r) * N + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
+          }
+        }
+      }
+    }
+    if (configured) _tile_release();
+    std::free(lanes);
+  });
+}
+#endif
+
 template <bool Int4, typename T>
 void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
           const float* bias, at::Tensor& y) {
@@ -662,10 +881,12 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
 
 }  // namespace
 
-// x: float32 or bfloat16 [M, K]; codes/scale/offset as above; bias: float32 [N] or empty.
-// Returns [M, N] in x's dtype (bfloat16 rounded to nearest even from the float32 sums).
+// x: float32 or bfloat16 [M, K]; codes/scale/offset as above; bias: float32 [N] or empty;
+// panels: the same weight in tile order (tile_panels in model/qgemm.py) or empty. Returns
+// [M, N] in x's dtype (bfloat16 rounded to nearest even from the float32 sums). With panels,
+// on a CPU with AMX, products of many rows take the tile path: the same bits, faster.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-                 const at::Tensor& bias, int64_t bits) {
+                 const at::Tensor& bias, int64_t bits, const at::Tensor& panels) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "qgemm: x must be [rows, K] with K a multiple of 32");
   TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
   const int64_t K = x.size(1), N = codes.size(0);
@@ -676,9 +897,30 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
               "qgemm: offset must be float16 [N, K/32]");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "qgemm: bias must be float32 [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemm: x must be float32 or bfloat16");
+  const int64_t grouped = grouped_blocks(K / kBlock);
+  const int64_t panel_bytes = grouped * (bits == 4 ? 512 + 64 : 512 + 32);
+  TORCH_CHECK(panels.numel() == 0 || (panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+                                      panels.numel() == (N + 15) / 16 * panel_bytes),
+              "qgemm: panels must be uint8 [ceil(N/16), grouped blocks x ", bits == 4 ? 576 : 544, "] (tile_panels)");
   const at::Tensor rows = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
+#ifdef SPIRIT_AMX
+  const int64_t amx_min_rows = grouped < K / kBlock ? SPIRIT_AMX_MIN_ROWS_REMAINDER
+                               : bits == 4 ? SPIRIT_AMX_MIN_ROWS_INT4 : SPIRIT_AMX_MIN_ROWS_INT8;
+  if (panels.numel() > 0 && grouped > 0 && x.size(0) >= amx_min_rows && amx_granted()) {
+    if (x.scalar_type() == at::kFloat) {
+      const QuantizedRows xq = quantize_rows<float>(rows, false);
+      if (bits == 4) gemm_amx<true, float>(xq, codes, scale, offset, panels, bias_ptr, y);
+      else gemm_amx<false, float>(xq, codes, scale, offset, panels, bias_ptr, y);
+    } else {
+      const QuantizedRows xq = quantize_rows<at::BFloat16>(rows, false);
+      if (bits == 4) gemm_amx<true, at::BFloat16>(xq, codes, scale, offset, panels, bias_ptr, y);
+      else gemm_amx<false, at::BFloat16>(xq, codes, scale, offset, panels, bias_ptr, y);
+    }
+    return y;
+  }
+#endif
   if (x.scalar_type() == at::kFloat) {
     const QuantizedRows xq = quantize_rows<float>(rows);
     if (bits == 4) gemm<true, float>(xq, codes, scale, offset, bias_ptr, y);
@@ -689,6 +931,16 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
     else gemm<false, at::BFloat16>(xq, codes, scale, offset, bias_ptr, y);
   }
   return y;
+}
+
+// Whether products of many rows take AMX tile products here (built for a CPU with AMX, and
+// granted the tile registers by the OS).
+bool amx() {
+#ifdef SPIRIT_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
 }
 
 // The instruction set this build uses for the integer dot products (reported to users).
