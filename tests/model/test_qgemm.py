@@ -286,38 +286,33 @@ def _packed(fmt: str, out_features: int, in_features: int, dtype: torch.dtype = 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_tile_panels_hold_the_grouped_blocks_in_tile_order(monkeypatch, fmt):
-    """Panel p, block b = 16g + l: a tile of 512 bytes, byte 64k + 4n + j input 4k + j of weight
-    row 16p + n, one code per byte. In the packed row that input is, for int8, byte 64k + 4l + j
-    of group g; for int4, the low nibble of byte 64k + 4l + j (k < 4) or the high nibble of
-    byte 64(k - 4) + 4l + j. Then the block's 16 scales (and offsets) by weight row; rows past
-    the weight are zero. Read back here from the packed tensors by that definition, so a wrong
-    permutation fails on any CPU."""
+    """Panel p, block b = 16g + l, weight row 16p + n: int8 a tile of 512 bytes whose byte
+    64k + 4n + j is byte 64k + 4l + j of the row's group g (input 4k + j); int4 256 bytes whose
+    byte 64c + 4n + j is byte 64c + 4l + j of the group (two inputs in nibbles). Then the
+    block's 16 scales (and offsets) by weight row; rows past the weight are zero. Read back
+    here from the packed tensors by that definition, so a wrong permutation fails on any CPU."""
     monkeypatch.setattr(qgemm, "amx", lambda: True)
     torch.manual_seed(3)
     out_features, blocks = 21, 40  # two panels (the second part padding), two groups and 8 blocks after
     packed = _packed(fmt, out_features, blocks * INT4_GROUP)
     panels = packed.tile_panels()
-    grouped = 32
-    code_bytes = grouped * 512
+    grouped, steps = 32, (4 if fmt == "int4" else 8)
+    code_bytes = grouped * steps * 64
     assert panels is not None and panels.dtype == torch.uint8
     assert panels.shape == (2, code_bytes + grouped * 32 * (2 if fmt == "int4" else 1))
     codes = packed.codes.view(torch.uint8)
-    group_bytes = 256 if fmt == "int4" else 512
     for p, n, b in [(0, 0, 0), (0, 5, 17), (1, 4, 31), (0, 15, 16), (1, 3, 9)]:
         row, g, lane = 16 * p + n, b // 16, b % 16
-        for k in range(8):
-            tile = panels[p, 512 * b + 64 * k + 4 * n : 512 * b + 64 * k + 4 * n + 4]
-            at = g * group_bytes + 64 * (k % 4 if fmt == "int4" else k) + 4 * lane
-            packed_bytes = codes[row, at : at + 4]
-            if fmt == "int4":
-                packed_bytes = packed_bytes & 15 if k < 4 else packed_bytes >> 4
-            assert torch.equal(tile, packed_bytes), (p, n, b, k)
+        for step in range(steps):
+            at = b * steps * 64 + 64 * step + 4 * n
+            group_at = g * steps * 64 + 64 * step + 4 * lane
+            assert torch.equal(panels[p, at : at + 4], codes[row, group_at : group_at + 4]), (p, n, b, step)
         scales = panels[p, code_bytes + 32 * b : code_bytes + 32 * b + 32].view(torch.float16)
         assert scales[n] == packed.scales.reshape(out_features, -1)[row, b]
         if fmt == "int4":
             offsets = panels[p, code_bytes + 32 * grouped + 32 * b :][:32].view(torch.float16)
             assert offsets[n] == packed.offsets.reshape(out_features, -1)[row, b]
-    assert not panels[1, :code_bytes].view(grouped, 8, 16, 4)[:, :, 5:].any()  # weight rows 21..31: padding
+    assert not panels[1, :code_bytes].view(grouped, steps, 16, 4)[:, :, 5:].any()  # weight rows 21..31: padding
 
 
 @needs_kernel
@@ -338,7 +333,7 @@ def test_no_panels_where_there_is_no_whole_group_or_no_amx(monkeypatch):
 @example(fmt="int4", blocks=35, out_features=5, rows=64, bf16=False, seed=2)  # a pair and a lone block after the groups
 def test_amx_tile_products_give_the_bits_of_one_row_products(fmt, blocks, out_features, rows, bf16, seed):
     """Row counts below the tile path's thresholds (kernels/qgemm.cpp SPIRIT_AMX_MIN_ROWS_*: 8 rows
-    for int8, 16 for int4, 64 where blocks follow the groups) take the VNNI path: the examples
+    for int8, 12 for int4, 64 where blocks follow the groups) take the VNNI path: the examples
     and the range of rows reach past each."""
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32

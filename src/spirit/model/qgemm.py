@@ -161,12 +161,13 @@ PANEL_ROWS = 16  # weight rows per tile panel
 
 def tile_panels(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> torch.Tensor | None:
     """A packed weight's interleaved groups again in AMX tile order (kernels/qgemm.cpp, "Many
-    rows on CPUs with AMX"): uint8 [ceil(out / 16), panel bytes], one row per 16 weight rows,
-    per block of 32 inputs its tile (512 bytes: byte 64k + 4n + j is input 4k + j of weight row
-    n, one code per byte, so int4's nibbles come apart here and not in every product), then per
-    block its 16 float16 scales (and offsets) by weight row. Rows past `out` are zero. It costs
-    a byte per weight of the grouped part, kept beside the packed weight for many-row products.
-    None where AMX does not run here or the weight has no whole group (in < 512)."""
+    rows on CPUs with AMX"): uint8 [ceil(out / 16), panel bytes], one row per 16 weight rows n:
+    per block of 32 inputs, int8 its tile (512 bytes, byte 64k + 4n + j input 4k + j of row n)
+    and int4 its nibble pairs (256 bytes, byte 64c + 4n + j inputs 4c + j low and 16 + 4c + j
+    high), then per block its 16 float16 scales (and offsets) by weight row. Rows past `out`
+    are zero. The same codes, scales and offsets reordered: as many bytes again as the grouped
+    part of the packed weight, kept beside it for many-row products. None where AMX does not
+    run here or the weight has no whole group (in < 512)."""
     in_features = codes.shape[1] * (2 if bits == 4 else 1)
     groups = in_features // GROUP_INPUTS
     if groups == 0 or not amx():
@@ -183,8 +184,6 @@ def tile_panels(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor |
     grouped_codes = padded_rows(codes[:, : groups * 16 * steps * 4].contiguous().view(torch.uint8))
     # [panel, n, group, step, block l, j] -> [panel, group, block l, step, n, j]
     tiled = grouped_codes.view(panel_count, PANEL_ROWS, groups, steps, 16, 4).permute(0, 2, 4, 3, 1, 5)
-    if bits == 4:  # step c's low nibbles are inputs 4c + j (tile row c), its high ones 16 + 4c + j (row 4 + c)
-        tiled = torch.cat([tiled & 15, tiled >> 4], dim=3)
     parts = [tiled.reshape(panel_count, -1)]
     for halves in (scale, offset) if bits == 4 else (scale,):
         by_row = padded_rows(halves.reshape(rows, -1)[:, :blocks].contiguous())  # [n, block]

@@ -62,15 +62,16 @@ constexpr int64_t kBlock = 32;
 // Measured with the weights cycled through 1.2 GB, so read from memory as in a model
 // (benchmarks/amx_speed.py), time of the tile path over the VNNI path's, on a Xeon with AMX:
 //   int8 17920x1536: 0.98 / 0.78 / 0.62 / 0.53 at 4 / 8 / 16 / 32 rows;
-//   int4 17920x1536: 1.27 / 0.89 / 0.78 at 8 / 16 / 32 rows (its panels hold a byte per code,
-//     twice the packed weight's bytes to read: the VNNI path reads the nibbles);
+//   int4 17920x1536: 1.07 / 0.98 / 0.74 / 0.69 at 4 / 8 / 12 / 16 rows, 0.72 at 128;
+//     2048x1536: 1.22 / 1.07 / 0.81 / 0.76 at 4 / 8 / 12 / 16;
 //   1536x8960 (8 blocks after 17 groups, which run one weight row at a time either way):
-//     int4 1.05 / 1.02 / 1.14 at 8 / 16 / 32 rows, int8 0.96 / 1.05 / 1.01 at 4 / 8 / 16.
+//     int4 (panels of one byte per code) 1.05 / 1.02 / 1.14 at 8 / 16 / 32 rows, int8 0.96 /
+//     1.05 / 1.01 at 4 / 8 / 16: no gain short of a prefill chunk.
 #ifndef SPIRIT_AMX_MIN_ROWS_INT8
 #define SPIRIT_AMX_MIN_ROWS_INT8 8
 #endif
 #ifndef SPIRIT_AMX_MIN_ROWS_INT4
-#define SPIRIT_AMX_MIN_ROWS_INT4 16
+#define SPIRIT_AMX_MIN_ROWS_INT4 12
 #endif
 #ifndef SPIRIT_AMX_MIN_ROWS_REMAINDER
 #define SPIRIT_AMX_MIN_ROWS_REMAINDER 64  // a prefill chunk (128 rows) still takes it
@@ -112,6 +113,16 @@ struct Rows {
   int64_t K, nb;
   Rows from(int64_t m) const { return {codes + m * K, scale + m * nb, sum + m * nb, code_sum + m * nb, K, nb}; }
 };
+inline Rows rows_of(const QuantizedRows& q) {
+  const int64_t K = q.codes.size(1);
+  return {q.codes.data_ptr<int8_t>(), q.scale.data_ptr<float>(), q.sum.data_ptr<float>(), q.code_sum.data_ptr<int32_t>(),
+          K, K / kBlock};
+}
+// a packed tensor's bytes as P (codes as bytes, float16 scales and offsets as their bits)
+template <typename P>
+const P* raw(const at::Tensor& t) {
+  return reinterpret_cast<const P*>(t.data_ptr());
+}
 
 // 8 floats of a row (float32 or bfloat16) from `p`
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -649,10 +660,12 @@ void chunk_blocked(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, co
 // i + i+8, i + i+4, i + i+2, i + i+1, + 0), or handed to it where blocks follow the groups.
 //
 // The panels (model/qgemm.py tile_panels) hold the grouped blocks in tile order, made once
-// when a model loads: per panel of 16 weight rows and block, a tile of 512 bytes (byte
-// 64k + 4n + j: input 4k + j of weight row n, one code per byte for int4 too: unpacking the
-// nibbles in each product measured 0.48 ms of a 1.33 ms 8-row product), then the block's 16
-// float16 scales (and offsets) by weight row. Rows past N are zero.
+// when a model loads: per panel of 16 weight rows and block, int8 a tile of 512 bytes (byte
+// 64k + 4n + j: input 4k + j of weight row n) and int4 256 bytes of nibble pairs (byte
+// 64c + 4n + j: inputs 4c + j low and 16 + 4c + j high), unpacked into tiles one lane ahead
+// (unpacked once at load, a byte per code, the panels cost twice the reads: 8 rows of
+// 17920x1536 took 1.27x the VNNI time, against 0.98x now); then the block's 16 float16 scales
+// (and offsets) by weight row. Rows past N are zero.
 constexpr int64_t kPanel = 16;  // weight rows per tile product (a tile's 16 int32 columns)
 
 // Linux hands a process the tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
@@ -693,12 +706,11 @@ inline void panel_block_update(__m512 (&acc)[R], const int32_t* sums, const uint
 }
 
 // Block b's products for the panel's 16 weight rows against R rows into tile T (0 or 1),
-// from activation codes in tile 2 + T and weights in tile 4 + T.
+// from activation codes in tile 2 + T and the block's weight tile `weights` (512 bytes) in 4 + T.
 // (GCC's tile intrinsics are macros that paste the tile number: it must be a literal.)
 template <bool Int4, int T>
-inline void issue_block(const uint8_t* tiles, const Rows& x, int64_t b) {
+inline void issue_block(const uint8_t* weights, const Rows& x, int64_t b) {
   const int8_t* codes = x.codes + b * kBlock;
-  const uint8_t* weights = tiles + 512 * b;
   if constexpr (T == 0) {
     _tile_zero(0);
     _tile_loadd(2, codes, x.K);
@@ -712,31 +724,53 @@ inline void issue_block(const uint8_t* tiles, const Rows& x, int64_t b) {
   }
 }
 
+// int4: lane l's blocks (l, 16 + l, ...) from the panel's nibble pairs (256 bytes a block:
+// byte 64c + 4n + j holds input 4c + j in the low nibble and 16 + 4c + j in the high one) into
+// tiles of one code per byte (512 bytes a block: tile row c the low nibbles, 4 + c the high).
+inline void unpack_lane(const uint8_t* panel, int l, int64_t groups, uint8_t* tiles) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* packed = panel + 256 * (g * kGroup + l);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(packed + 64 * c);
+      _mm512_store_si512(tiles + 512 * g + 64 * c, _mm512_and_si512(v, low));
+      _mm512_store_si512(tiles + 512 * g + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  }
+}
+
 // One panel's grouped blocks against R activation rows (plain-order codes `x`), into
 // lanes [R][16 blocks of a group][16 weight rows]: row_times_rows' group_wide, transposed.
-// `tiles`: the panel's weights as tiles (block b at 512 b); `scale`, `offset`: 16 per block.
+// `panel`: the panel's weights (int8: block b's tile at 512 b; int4: its nibble pairs at
+// 256 b); `scale`, `offset`: 16 per block; `unpacked` (int4): room for 2 x groups tiles.
 // Lane by lane: lane l's blocks l, 16 + l, 32 + l, ... in order (its sum runs over the groups
-// in order), two blocks' tile products in flight at once. `next`, `next_bytes`: the next
-// panel, asked for a sixteenth per lane, so it streams in while this one is computed (without
-// it, 8 rows of int8 read the panels at 32 GB/s where one VNNI row reads 46; the prefetch's
-// own gain was not measured apart).
+// in order), two blocks' tile products in flight at once. int4 lanes are unpacked one lane
+// ahead (a tile load waits for stores to the bytes it reads to land). `next`, `next_bytes`:
+// the next panel, asked for a sixteenth per lane, so it streams in while this one is computed
+// (without it, 8 rows of int8 read the panels at 32 GB/s where one VNNI row reads 46; the
+// prefetch's own gain was not measured apart).
 template <bool Int4, int R>
-void panel_lanes(const uint8_t* tiles, const uint16_t* scale, const uint16_t* offset, const Rows& x, float* lanes,
-                 const uint8_t* next, int64_t next_bytes) {
+void panel_lanes(const uint8_t* panel, const uint16_t* scale, const uint16_t* offset, const Rows& x, float* lanes,
+                 uint8_t* unpacked, const uint8_t* next, int64_t next_bytes) {
   const int64_t groups = grouped_blocks(x.nb) / kGroup;
   const int64_t lines_per_lane = (next_bytes / 64 + kGroup - 1) / kGroup;
   alignas(64) int32_t sums[2][16 * 16];
+  if constexpr (Int4) unpack_lane(panel, 0, groups, unpacked);
   for (int l = 0; l < kGroup; ++l) {
     const char* ahead = reinterpret_cast<const char*>(next) + 64 * lines_per_lane * l;
     for (int64_t line = 0; line < lines_per_lane && 64 * (lines_per_lane * l + line) < next_bytes; ++line)
       _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    const uint8_t* lane_tiles = Int4 ? unpacked + (l & 1) * groups * 512 : nullptr;
+    if constexpr (Int4)
+      if (l + 1 < kGroup) unpack_lane(panel, l + 1, groups, unpacked + ((l + 1) & 1) * groups * 512);
+    auto tile_of = [&](int64_t g) { return Int4 ? lane_tiles + 512 * g : panel + 512 * (g * kGroup + l); };
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g += 2) {
       const int64_t b0 = g * kGroup + l, b1 = b0 + kGroup;
       const bool pair = g + 1 < groups;
-      issue_block<Int4, 0>(tiles, x, b0);
-      if (pair) issue_block<Int4, 1>(tiles, x, b1);
+      issue_block<Int4, 0>(tile_of(g), x, b0);
+      if (pair) issue_block<Int4, 1>(tile_of(g + 1), x, b1);
       _tile_stored(0, sums[0], 64);
       panel_block_update<Int4, R>(acc, sums[0], scale + 16 * b0, offset + 16 * b0, x, b0);
       if (pair) {
@@ -748,8 +782,8 @@ void panel_lanes(const uint8_t* tiles, const uint16_t* scale, const uint16_t* of
   }
 }
 
-using PanelKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Rows&, float*, const uint8_t*,
-                             int64_t);
+using PanelKernel = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Rows&, float*, uint8_t*,
+                             const uint8_t*, int64_t);
 template <bool Int4, int... R>
 PanelKernel panel_kernel_of(int64_t rows, std::integer_sequence<int, R...>) {
   static constexpr PanelKernel table[] = {&panel_lanes<Int4, R + 1>...};
@@ -770,18 +804,18 @@ void gemm_amx(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor
               const at::Tensor& panels, const float* bias, at::Tensor& y) {
   const int64_t M = xq.codes.size(0), K = xq.codes.size(1), N = codes.size(0), nb = K / kBlock;
   const int64_t grouped = grouped_blocks(nb), row_bytes = Int4 ? K / 2 : K;
-  const int64_t code_bytes = 512 * grouped, half_bytes = 2 * 16 * grouped;
+  const int64_t code_bytes = (Int4 ? 256 : 512) * grouped, half_bytes = 2 * 16 * grouped;
   const int64_t panel_bytes = code_bytes + (Int4 ? 2 : 1) * half_bytes;
   const uint8_t* pp = panels.data_ptr<uint8_t>();
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* op = Int4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
-  const Rows all{xq.codes.data_ptr<int8_t>(), xq.scale.data_ptr<float>(), xq.sum.data_ptr<float>(),
-                 xq.code_sum.data_ptr<int32_t>(), K, nb};
+  const uint8_t* wp = raw<uint8_t>(codes);
+  const uint16_t* sp = raw<uint16_t>(scale);
+  const uint16_t* op = Int4 ? raw<uint16_t>(offset) : nullptr;
+  const Rows all = rows_of(xq);
   T* yp = y.data_ptr<T>();
   const int64_t panel_count = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
     float* lanes = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 16 * 256));
+    uint8_t* unpacked = Int4 ? static_cast<uint8_t*>(std::aligned_alloc(64, 2 * 512 * (grouped / kGroup))) : nullptr;
     int configured = 0;
     alignas(64) float grouped_sums[kRowsPerChunk * 16];
     float out[kRowsPerChunk];
@@ -795,7 +829,7 @@ void gemm_amx(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor
         if (rows != configured) configure_tiles(rows), configured = rows;
         const Rows x = all.from(m0);
         panel_kernel_of<Int4>(rows, std::make_integer_sequence<int, 16>{})(
-            panel, pscale, poffset, x, lanes, panel + panel_bytes, m0 == 0 && p + 1 < end ? panel_bytes : 0);
+            panel, pscale, poffset, x, lanes, unpacked, panel + panel_bytes, m0 == 0 && p + 1 < end ? panel_bytes : 0);
         if (grouped == nb) {
           for (int r = 0; r < rows; ++r) {
             alignas(64) float totals[16];
@@ -822,6 +856,7 @@ void gemm_amx(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor
     }
     if (configured) _tile_release();
     std::free(lanes);
+    std::free(unpacked);
   });
 }
 #endif
@@ -831,11 +866,10 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
           const float* bias, at::Tensor& y) {
   const int64_t M = xq.codes.size(0), K = xq.codes.size(1), N = codes.size(0), nb = K / kBlock;
   const int64_t row_bytes = Int4 ? K / 2 : K;
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* op = Int4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
-  const Rows all{xq.codes.data_ptr<int8_t>(), xq.scale.data_ptr<float>(), xq.sum.data_ptr<float>(),
-                 xq.code_sum.data_ptr<int32_t>(), K, nb};
+  const uint8_t* wp = raw<uint8_t>(codes);
+  const uint16_t* sp = raw<uint16_t>(scale);
+  const uint16_t* op = Int4 ? raw<uint16_t>(offset) : nullptr;
+  const Rows all = rows_of(xq);
   T* yp = y.data_ptr<T>();
   // Many rows (prefill, wide verification): a tile of weight rows is taken against every chunk
   // of activation rows before the next tile, so the tile is read from memory once and then
@@ -898,10 +932,10 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "qgemm: bias must be float32 [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemm: x must be float32 or bfloat16");
   const int64_t grouped = grouped_blocks(K / kBlock);
-  const int64_t panel_bytes = grouped * (bits == 4 ? 512 + 64 : 512 + 32);
+  const int64_t panel_bytes = grouped * (bits == 4 ? 256 + 64 : 512 + 32);
   TORCH_CHECK(panels.numel() == 0 || (panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                                       panels.numel() == (N + 15) / 16 * panel_bytes),
-              "qgemm: panels must be uint8 [ceil(N/16), grouped blocks x ", bits == 4 ? 576 : 544, "] (tile_panels)");
+              "qgemm: panels must be uint8 [ceil(N/16), grouped blocks x ", bits == 4 ? 320 : 544, "] (tile_panels)");
   const at::Tensor rows = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
