@@ -292,3 +292,21 @@ def test_dense_products_agree_with_the_kernel_to_bf16_rounding():
     layer = fused.layers[0]
     kernel, dense = layer.gate_up(x), layer.gate_up(x, fused._scratch)
     assert torch.allclose(dense.float(), kernel.float(), rtol=0.05, atol=0.05 * kernel.abs().max().item())
+
+
+def test_projections_and_the_lm_head_keep_tile_panels_where_amx_runs(monkeypatch):
+    """Where AMX runs (said to here, so this runs on any CPU), a fused model's packed products
+    of 512 inputs or more and its lm_head carry their weights in tile order, and many-row
+    passes with them give each row the bits of its one-row pass."""
+    monkeypatch.setattr(qgemm, "amx", lambda: True)
+    model = tiny_model("qwen2", num_layers=2, dtype=torch.bfloat16, hidden=512)
+    pack_model(model, "int4", torch.bfloat16)
+    adapter = SkippableModel(model)
+    assert adapter.fused is not None
+    for layer in adapter.fused.layers:
+        assert all(p.panels is not None for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(adapter.lm_head, PackedLinear) and adapter.lm_head.panels is not None
+    x = torch.randn(20, 512).bfloat16()
+    gate_up = adapter.fused.layers[0].gate_up
+    assert torch.equal(gate_up(x), torch.cat([gate_up(x[i : i + 1]) for i in range(20)]))
+    assert torch.equal(adapter.lm_head(x), torch.cat([adapter.lm_head(x[i : i + 1]) for i in range(20)]))

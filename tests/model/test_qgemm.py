@@ -316,6 +316,13 @@ def test_tile_panels_hold_the_grouped_blocks_in_tile_order(monkeypatch, fmt):
 
 
 @needs_kernel
+def test_spirit_amx_0_turns_the_tiles_and_their_panels_off(monkeypatch):
+    monkeypatch.setenv("SPIRIT_AMX", "0")
+    assert not qgemm.amx()
+    assert _packed("int8", 16, 512).tile_panels() is None
+
+
+@needs_kernel
 def test_no_panels_where_there_is_no_whole_group_or_no_amx(monkeypatch):
     monkeypatch.setattr(qgemm, "amx", lambda: True)
     assert _packed("int4", 16, 480).tile_panels() is None  # 15 blocks: no group of 16

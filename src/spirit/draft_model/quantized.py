@@ -69,7 +69,7 @@ class QuantizedLinear:
 
     @property
     def bits(self) -> int:
-        return 8 if self.weight.fmt == "int8" else 4
+        return self.weight.bits
 
     @property
     def activation(self) -> torch.dtype:
