@@ -351,10 +351,10 @@ class Decoding:
         end = min(self.prefilled + PREFILL_CHUNK, self.prompt_len)
         chunk = torch.tensor([self.ids[self.prefilled : end]], device=device)
         if end < self.prompt_len:
-            self.model.hidden_states(chunk, self.prefilled, self.cache, _NO_SKIP)
+            self.model.hidden_states(chunk, self.prefilled, self.cache, _NO_SKIP, prefill=True)
             self.prefilled = end
             return []
-        logits = self.model.forward(chunk, self.prefilled, self.cache, _NO_SKIP, last_only=True)[0]
+        logits = self.model.forward(chunk, self.prefilled, self.cache, _NO_SKIP, last_only=True, prefill=True)[0]
         self.prefilled = end
         first = self.engine._pick(logits, self.settings.sampling, self.generator, self.prompt_len)
         self.ids.append(first)

@@ -243,55 +243,73 @@ def test_speculation_on_fused_layers_gives_plain_decoding(seed):
     assert out == plain and stats.counters.draft_rounds > 0
 
 
-# -- dense prefill ----------------------------------------------------------------------------
+# -- prefill ------------------------------------------------------------------------------------
 
 def test_the_unpacked_weight_is_the_one_the_kernel_multiplies_by():
     from spirit.model.quantize import quantize_int4, quantize_int8
 
     torch.manual_seed(0)
     for pack in (quantize_int4, quantize_int8):
-        for in_features in (96, 128):  # 3 blocks: a lone last block; 4: pairs only
+        for in_features in (96, 128, 1568):  # 3 blocks: a lone last block; 4: pairs only; 49: a group, pairs, a lone block
             w = pack(torch.randn(24, in_features) * 0.05, torch.bfloat16)
             dense = torch.empty(24, in_features, dtype=torch.bfloat16)
-            qgemm.dequantize(w.codes, w.scales, w.offsets, dense, 8 if w.fmt == "int8" else 4)
+            qgemm.dequantize(w.codes, w.scales, w.offsets, dense, w.bits)
             # the kernel's product with the identity is its weight (an identity row quantizes
             # exactly), up to float32 rounding before the one bf16 rounding
             through_kernel = w.matmul(torch.eye(in_features, dtype=torch.bfloat16)).T.float()
             assert torch.allclose(dense.float(), through_kernel, rtol=8e-3, atol=1e-7)
 
 
-def test_dense_prefill_is_measured_and_reported():
-    model = SkippableModel(packed("llama"))
-    assert "prefill" in model.fused_reason and "x the integer kernel" in model.fused_reason
+amx_only = pytest.mark.skipif(not qgemm.prefill_tiles(), reason="no AMX tile products on this CPU")
 
 
+@amx_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 17, 40, 128])
+def test_prefill_tile_products_are_the_dequantized_weights_product(fmt, rows):
+    """N = 40 (a panel of 8 rows past the last whole one), K = 1568 (a group, pairs, a lone
+    block), rows past a tile of 16: bf16 tile products of the weights as dequantize gives them,
+    summed in float32, with the bias, rounded once; the same bits on a second call."""
+    from spirit.model.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(1)
+    w = (quantize_int4 if fmt == "int4" else quantize_int8)(torch.randn(40, 1568) * 0.05, torch.bfloat16)
+    dense = qgemm.dequantize(w.codes, w.scales, w.offsets, torch.empty(40, 1568, dtype=torch.bfloat16), w.bits)
+    x, bias = torch.randn(rows, 1568).to(torch.bfloat16), torch.randn(40)
+    y = qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits)
+    expected = x.double() @ dense.double().T + bias.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
+    assert torch.allclose(y.double(), expected, rtol=1e-2, atol=1e-3 * expected.abs().max().item())
+    assert torch.equal(y, qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits))
+
+
+def test_without_amx_prefill_stays_on_the_integer_kernel(monkeypatch):
+    monkeypatch.setattr(qgemm, "prefill_tiles", lambda: False)
+    model = SkippableModel(packed("llama", torch.bfloat16))
+    assert not model.fused.prefill_tiles and not model.fused.prefill_tiles_pay(128)
+    assert "integer kernel for prefill" in model.fused_reason
+
+
+@amx_only
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_dense_prefill_keeps_speculation_exact(arch):
-    """Prefill chunks run densely (forced from 4 rows here); verification passes of up to 8
-    rows stay on the integer kernel, so speculation still gives plain decoding's tokens."""
-    engine = Engine(SkippableModel(packed(arch, layers=4)))
-    fused = engine.model.fused
-    fused.run_dense_from(4)
+def test_prefill_takes_tile_products_and_speculation_stays_exact(arch, monkeypatch):
+    """A 30-token prompt is prefilled by tile products; no decoding pass (plain steps, drafts,
+    verification) takes them, so speculation still gives plain decoding's tokens."""
+    import spirit.model.fused as fused_module
+
+    engine = Engine(SkippableModel(packed(arch, torch.bfloat16, layers=4)))
+    assert "bfloat16 AMX tile products for prefill" in engine.model.fused_reason
     calls = []
-    real = fused.dense_pays
-    fused.dense_pays = lambda rows: calls.append(rows) or real(rows)
+    real = fused_module._prefill_product
+    monkeypatch.setattr(fused_module, "_prefill_product", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
     rng = random.Random(7)
     prompt = [rng.randrange(256) for _ in range(30)]
     plain, _ = decode_all(engine, prompt, 20)
+    assert calls and set(calls) == {30}  # the prefill chunk, and nothing else
     policy = StaticPolicy(ModelInfo(4), DraftConfig(max_draft=6), skip=SkipSet.parse("mlp:1,2"))
     out, stats = decode_all(engine, prompt, 20, policy)
     assert out == plain and stats.counters.draft_rounds > 0
-    assert 30 in calls  # the prefill asked, and ran densely
-
-
-def test_dense_products_agree_with_the_kernel_to_bf16_rounding():
-    model = SkippableModel(packed("llama", torch.bfloat16))
-    fused = model.fused
-    fused.run_dense_from(2)
-    x = torch.randn(16, model.config.hidden_size).to(torch.bfloat16)
-    layer = fused.layers[0]
-    kernel, dense = layer.gate_up(x), layer.gate_up(x, fused._scratch)
-    assert torch.allclose(dense.float(), kernel.float(), rtol=0.05, atol=0.05 * kernel.abs().max().item())
+    assert set(calls) == {30}
 
 
 def test_projections_and_the_lm_head_keep_tile_panels_where_amx_runs(monkeypatch):

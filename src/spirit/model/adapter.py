@@ -206,6 +206,7 @@ class SkippableModel:
         visible: torch.Tensor | None = None,
         mlps: Sequence[nn.Module] | None = None,
         exact: bool = False,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """Run q tokens in cache slots [start, start + q); return final-normed hidden [1, q, hidden].
 
@@ -213,7 +214,8 @@ class SkippableModel:
         bool, defaults to causal. mlps: one module per layer to run instead of the layer's own
         MLP (a draft's quantized copies). exact: attend row by row (model/attention.py), so each row
         gets the bits it would get alone; a row that sees no slot is padding and gets zeros.
-        Writes KV for those slots in every attention layer it runs.
+        prefill: a prompt chunk (not exact), whose products may take faster kernels that are
+        not row-invariant (model/fused.py). Writes KV for those slots in every attention layer it runs.
         """
         q = input_ids.shape[1]
         cache.begin(start, q)
@@ -225,7 +227,7 @@ class SkippableModel:
                 return None, {"rows": RowKeys.from_mask(self._allowed(start, positions, window, visible))}
             return self._mask(start, positions, window, visible), {}
 
-        return self._run(input_ids, positions, cache, skip, attention, mlps, rowwise=exact)
+        return self._run(input_ids, positions, cache, skip, attention, mlps, rowwise=exact, prefill=prefill and not exact)
 
     def _run(
         self,
@@ -236,14 +238,16 @@ class SkippableModel:
         attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
         mlps: Sequence[nn.Module] | None = None,
         rowwise: bool = False,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """The layers over [1, q] tokens at `positions`; `attention(window)` gives the mask
         and the extra keywords (row-wise keys) of the layers with that sliding window.
-        `rowwise`: an exact pass (its rows must get the bits of one-token steps)."""
+        `rowwise`: an exact pass (its rows must get the bits of one-token steps). `prefill`: a
+        prompt chunk (hidden_states)."""
         hidden = self.embed_tokens(input_ids)  # [1, q, hidden]
         rotary = self._rotary(hidden, positions[None])
         if self.fused is not None:
-            return self._run_fused(hidden[0], rotary, cache, skip, attention, mlps, rowwise)[None]
+            return self._run_fused(hidden[0], rotary, cache, skip, attention, mlps, rowwise, prefill)[None]
         by_window: dict[int | None, tuple[torch.Tensor | None, dict[str, RowKeys]]] = {}
         sandwich = self.layout is Layout.SANDWICH
         for i, layer in enumerate(self.layers):
@@ -279,12 +283,13 @@ class SkippableModel:
         attention: Callable[[int | None], tuple[torch.Tensor | None, dict[str, RowKeys]]],
         mlps: Sequence[nn.Module] | None,
         rowwise: bool,
+        prefill: bool,
     ) -> torch.Tensor:
-        """`_run` on the fused layers: the same sublayers, masks and cache slots. A pass that
-        need not be exact and has many rows (prefill) may run its products densely."""
+        """`_run` on the fused layers: the same sublayers, masks and cache slots. A prefill
+        chunk's products take bfloat16 tile products where they run (FusedDecoder.prefill_tiles)."""
         fused = self.fused
         writes = cache.row_writes(hidden.shape[0])
-        dense = not rowwise and fused.dense_pays(hidden.shape[0])
+        tiles = prefill and not rowwise and fused.prefill_tiles_pay(hidden.shape[0]) and hidden.dtype == torch.bfloat16
         keys: dict[int | None, PassKeys] = {}
         for i in range(len(self.layers)):
             if i not in skip.attn:
@@ -294,10 +299,10 @@ class SkippableModel:
                     rows = row_keys.get("rows")
                     keys[window] = PassKeys.rowwise(rows, writes) if rows is not None else PassKeys(mask=mask, end=writes.end)
                 cos, sin = rotary[self.layer_types[i]]
-                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window], dense)
+                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window], tiles)
             if i not in skip.mlp:
                 normed = fused.post_norm(i, hidden)
-                hidden = hidden + (fused.mlp(i, normed, dense) if mlps is None else mlps[i](normed[None])[0])
+                hidden = hidden + (fused.mlp(i, normed, tiles) if mlps is None else mlps[i](normed[None])[0])
         return self.norm(hidden)
 
     @torch.inference_mode()
@@ -366,6 +371,7 @@ class SkippableModel:
         visible: torch.Tensor | None = None,
         exact: bool = False,
         min_rows: int | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """Logits [q, vocab] for the q tokens in slots [start, start+q) (last row if last_only).
 
@@ -373,13 +379,15 @@ class SkippableModel:
         where `self.exactness.exact` holds: attention is row-wise, and a pass shorter than
         `min_rows` (default `exactness.min_rows`) is padded with rows that attend to nothing
         (their KV lands in the spare slots after the pass, which the next pass overwrites).
+        prefill: a prompt chunk (see hidden_states).
         """
         q = input_ids.shape[1]
         if exact and min_rows is None:
             min_rows = self.exactness.min_rows
         if exact and q < min_rows:
             input_ids, positions, visible = self._pad(input_ids, start, positions, visible, min_rows)
-        hidden = self.hidden_states(input_ids, start, cache, skip, positions, visible, exact=exact)[0]  # [rows, hidden]
+        hidden = self.hidden_states(input_ids, start, cache, skip, positions, visible, exact=exact,
+                                    prefill=prefill)[0]  # [rows, hidden]
         if last_only:
             return self.logits(hidden[q - 1 : q])
         return self.logits(hidden)[:q]  # the lm_head sees the padded rows too: it is a linear layer

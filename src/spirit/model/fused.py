@@ -27,7 +27,6 @@ Used for the standard pre-norm layout with RMSNorm, SwiGLU and full rotary embed
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from spirit.model.lowbit import PackedLinear
 from spirit.model.quantize import PackedWeight
 
 _EMPTY = torch.empty(0)
-DENSE_ROWS = 128  # rows of a prefill chunk (engine.PREFILL_CHUNK): where dense products are measured
+PREFILL_TILE_ROWS = 16  # prefill chunks of this many rows or more take bf16 tile products where they run
 
 
 class Projection:
@@ -74,23 +73,27 @@ class Projection:
         if self.weight is not None:
             self.panels = self.weight.tile_panels()
 
-    def __call__(self, x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [rows, in] -> [rows, sum of outs]. With `scratch` (bf16, at least out x in
-        elements) and bf16 rows: the weight unpacked into it and multiplied as a dense matrix."""
+    def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """x: [rows, in] -> [rows, sum of outs]. `prefill`: bf16 rows of a pass that need not be
+        exact, by bfloat16 tile products (qgemm.prefill_qgemm; the caller checks they run here)."""
         w = self.weight
         if w is None:
+            if prefill:
+                return torch.cat([_prefill_product(x, linear.weight_packed, linear.bias) for linear in self.parts], dim=-1)
             return torch.cat([linear(x) for linear in self.parts], dim=-1)
-        bits = w.bits
-        if scratch is None or x.dtype != torch.bfloat16:
-            return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, bits, self.panels)
-        dense = scratch[: w.out_features * w.in_features].view(w.out_features, w.in_features)
-        y = F.linear(x, qgemm.dequantize(w.codes, w.scales, w.offsets, dense, bits))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        if prefill:
+            return _prefill_product(x, w, self.bias)
+        return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, w.bits, self.panels)
 
     @property
     def size(self) -> int:
         """Weights in the (one) packed product; 0 when its parts run apart."""
         return 0 if self.weight is None else self.weight.out_features * self.weight.in_features
+
+
+def _prefill_product(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return qgemm.prefill_qgemm(x, weight.codes, weight.scales, weight.offsets,
+                               None if bias is None else bias.float(), weight.bits)
 
 
 def _concatenated(weights: Sequence[PackedWeight]) -> PackedWeight:
@@ -161,53 +164,25 @@ class FusedDecoder:
     """The layers of one model as fused pieces; the adapter (model/adapter.py) runs them."""
 
     def __init__(self, layers: Sequence[FusedLayer], heads: int, kv_heads: int, head_dim: int,
-                 scaling: float, eps: float, head_eps: float) -> None:
+                 scaling: float, eps: float, head_eps: float, activation: torch.dtype) -> None:
         self.layers = list(layers)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scaling, self.eps, self.head_eps = scaling, eps, head_eps
         self._ops = qgemm.extension()
-        # Prefill: many-row products that need not be exact may run as dense bf16 matrix
-        # products on weights unpacked into one kept buffer, where that measures faster here
-        # (AVX-512 BF16 CPUs: about twice the integer kernel's rate at 128 rows). Exact passes
-        # (verification) never do: their rows must get the bits of one-token steps.
-        self._scratch: torch.Tensor | None = None
-        self.dense_rows: int | None = None
-        self.dense_reason = "not measured"
+        # Prefill chunks (many rows, need not be exact) take bfloat16 tile products where AMX
+        # runs: 2.5-4x the integer kernel's rate at 43-128 rows (kernels/qgemm.cpp). Chosen by
+        # what the CPU has, not by a timing at load, so the same machine always prefills the
+        # same way and gives the same text.
+        self.prefill_tiles = qgemm.prefill_tiles() and activation == torch.bfloat16
+        self.prefill_reason = ("bfloat16 AMX tile products for prefill" if self.prefill_tiles
+                               else "integer kernel for prefill")
 
-    def measure_dense(self, activation: torch.dtype, rows: int = DENSE_ROWS, trials: int = 3) -> None:
-        """Time the largest packed product at `rows` rows both ways (interleaved, best of
-        `trials`) and run prefill densely only if that is at least 10% faster here."""
-        largest = self._largest()
-        if activation != torch.bfloat16 or largest.size == 0:
-            self.dense_reason = "integer kernel (dense products need bf16 activations)"
-            return
-        scratch = torch.empty(largest.size, dtype=torch.bfloat16)
-        x = torch.randn(rows, largest.weight.in_features).to(activation)
-        best = {"kernel": float("inf"), "dense": float("inf")}
-        for _ in range(trials):
-            for name, buffer in (("kernel", None), ("dense", scratch)):
-                started = time.perf_counter()
-                largest(x, buffer)
-                best[name] = min(best[name], time.perf_counter() - started)
-        ratio = best["kernel"] / best["dense"]
-        if ratio >= 1.1:
-            self.run_dense_from(rows // 2)
-        self.dense_reason = (f"{'dense bf16' if self.dense_rows else 'integer kernel'} for prefill "
-                             f"(dense {ratio:.2f}x the integer kernel at {rows} rows)")
-
-    def run_dense_from(self, rows: int) -> None:
-        """Run passes that need not be exact densely from `rows` rows up (kept buffer: the
-        largest packed product's weights in bf16)."""
-        self.dense_rows = rows
-        self._scratch = torch.empty(self._largest().size, dtype=torch.bfloat16)
-
-    def _largest(self) -> Projection:
-        """The projection with the most weights in one packed product (what the buffer must hold)."""
-        return max((p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                   key=lambda p: p.size)
-
-    def dense_pays(self, rows: int) -> bool:
-        return self.dense_rows is not None and rows >= self.dense_rows
+    def prefill_tiles_pay(self, rows: int) -> bool:
+        """Whether a prefill chunk of `rows` rows takes the tile products: each panel's weights
+        are turned to bf16 once per product whatever the rows, which below PREFILL_TILE_ROWS rows
+        costs more than the integer kernel (17920x1536 int4: 4.6 ms against 11.3 at 16 rows,
+        against 1.4 at 8)."""
+        return self.prefill_tiles and rows >= PREFILL_TILE_ROWS
 
     def input_norm(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._ops.rms_norm(hidden, self.layers[i].input_norm, self.eps)
@@ -216,14 +191,13 @@ class FusedDecoder:
         return self._ops.rms_norm(hidden, self.layers[i].post_norm, self.eps)
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, writes: RowWrites,
-                  keys: PassKeys, dense: bool = False) -> torch.Tensor:
+                  keys: PassKeys, prefill: bool = False) -> torch.Tensor:
         """x: normed [q, hidden]; cos, sin: [q, head_dim]. Writes the rows' keys and values into
         layer i of their caches; returns the attention sublayer's output [q, hidden]."""
         layer = self.layers[i]
-        scratch = self._scratch if dense else None
         key_buffers = [cache.keys[i] for cache in writes.caches]
         value_buffers = [cache.values[i] for cache in writes.caches]
-        q = self._ops.rope_write(layer.qkv(x, scratch), cos, sin, self.heads, self.kv_heads, self.head_dim,
+        q = self._ops.rope_write(layer.qkv(x, prefill), cos, sin, self.heads, self.kv_heads, self.head_dim,
                                  layer.q_norm, layer.k_norm, self.head_eps, key_buffers, value_buffers,
                                  writes.cache_of_row, writes.slot_of_row)  # [q, heads, head_dim]
         if keys.offsets is not None:
@@ -235,12 +209,11 @@ class FusedDecoder:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=keys.mask,
                                                  scale=self.scaling, enable_gqa=True)  # [1, heads, q, head_dim]
             out = out[0].transpose(0, 1).reshape(q.shape[0], self.heads * self.head_dim)
-        return layer.o(out, scratch)
+        return layer.o(out, prefill)
 
-    def mlp(self, i: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+    def mlp(self, i: int, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         layer = self.layers[i]
-        scratch = self._scratch if dense else None
-        return layer.down(self._ops.silu_mul(layer.gate_up(x, scratch)), scratch)
+        return layer.down(self._ops.silu_mul(layer.gate_up(x, prefill)), prefill)
 
 
 def fused_decoder(causal_lm: nn.Module, dtype: torch.dtype) -> tuple[FusedDecoder | None, str]:
@@ -267,9 +240,8 @@ def fused_decoder(causal_lm: nn.Module, dtype: torch.dtype) -> tuple[FusedDecode
     head_eps = _eps(head_norm) if head_norm is not None else 0.0
     attn = first.self_attn
     decoder = FusedDecoder(layers, config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
-                           float(attn.scaling), _eps(first.input_layernorm), head_eps)
-    decoder.measure_dense(dtype)
-    return decoder, f"fused layers (spirit's kernels); {decoder.dense_reason}"
+                           float(attn.scaling), _eps(first.input_layernorm), head_eps, dtype)
+    return decoder, f"fused layers (spirit's kernels); {decoder.prefill_reason}"
 
 
 def _eps(norm: nn.Module) -> float:

@@ -192,6 +192,20 @@ def tile_panels(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor |
     return torch.cat(parts, dim=1).contiguous()
 
 
+def prefill_tiles() -> bool:
+    """Whether prefill products take bfloat16 AMX tile products here (kernels/qgemm.cpp,
+    "Prefill on CPUs with AMX"): where AMX runs (`amx()`, so `SPIRIT_AMX=0` turns them off too)."""
+    return amx()
+
+
+def prefill_qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                  bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """[rows, in] bf16 x packed [out, in] -> [rows, out] bf16 by bfloat16 tile products, for
+    passes that need not be exact (prefill); only where `prefill_tiles()`."""
+    return extension().prefill_qgemm(x, codes, scale, _EMPTY if offset is None else offset,
+                                     _EMPTY if bias is None else bias, bits)
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, out: torch.Tensor,
                bits: int) -> torch.Tensor:
     """The packed weight unpacked into `out` (bf16 [out, in], kept by the caller); returns it."""

@@ -8,6 +8,8 @@
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                  const at::Tensor& bias, int64_t bits, const at::Tensor& panels);
+at::Tensor prefill_qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                         const at::Tensor& bias, int64_t bits);
 std::string isa();
 bool amx();
 void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset, at::Tensor& out, int64_t bits);
@@ -23,6 +25,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "weight-only int4/int8 x int8-quantized activations, row-invariant");
+  m.def("prefill_qgemm", &prefill_qgemm, "bfloat16 tile products for prefill (AMX), not row-invariant");
   m.def("isa", &isa, "instruction set of the dot products");
   m.def("amx", &amx, "whether many-row products take AMX tile products here");
   m.def("dequantize", &dequantize, "the packed weight into a dense bfloat16 matrix");

@@ -913,7 +913,251 @@ void gemm(const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& sc
   });
 }
 
+inline int32_t load_u32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 16 codes (bytes; signed for int8) to bfloat16 at `out`: code * scale + offset in float32 by one
+// fma (std::fma's rounding), then rounded to nearest even as c10's float -> bfloat16 conversion
+// does (the values are finite), 8 at a time.
+template <bool Signed>
+inline void bf16_codes(__m128i codes, float scale, float offset, uint16_t* out) {
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  __m256i rounded[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m128i eight = h ? _mm_srli_si128(codes, 8) : codes;
+    const __m256i wide = Signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    const __m256i bits = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), s, o));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    rounded[h] = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  }
+  // packus interleaves 128-bit halves: lanes 0-3 of each, then 4-7; one permute puts them in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded[0], rounded[1]), _MM_SHUFFLE(3, 1, 2, 0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+
+// Block b's 32 codes of one packed weight row (see the formats) as two 16-byte halves: inputs
+// 0..15 and 16..31 (bytes; int8 signed).
+struct BlockCodes {
+  __m128i first, second;
+};
+inline __m128i four_pieces(const uint8_t* p, int64_t stride) {  // 4-byte pieces `stride` bytes apart, in order
+  return _mm_setr_epi32(load_u32(p), load_u32(p + stride), load_u32(p + 2 * stride), load_u32(p + 3 * stride));
+}
+template <bool Int4>
+inline BlockCodes block_codes(const uint8_t* row, int64_t b, int64_t nb) {
+  const int64_t grouped = grouped_blocks(nb);
+  if constexpr (Int4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    auto nibbles = [&](__m128i packed) {  // low nibbles inputs 0..15, high ones 16..31
+      return BlockCodes{_mm_and_si128(packed, low), _mm_and_si128(_mm_srli_epi16(packed, 4), low)};
+    };
+    if (b < grouped)  // byte 64c + 4l + j of a group: inputs 4c + j and 16 + 4c + j of block l
+      return nibbles(four_pieces(row + (b / kGroup) * kGroup * 16 + (b % kGroup) * 4, 64));
+    if (b + 1 == nb && (b - grouped) % 2 == 0)  // a lone last block: byte j holds inputs j and j + 16
+      return nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    // a pair: byte j of the pair holds input j of its even block (low nibble) and of its odd one
+    const uint8_t* pair = row + (b - (b - grouped) % 2) * 16;
+    const bool odd = (b - grouped) % 2 == 1;
+    auto half = [&](int h) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16 * h));
+      return _mm_and_si128(odd ? _mm_srli_epi16(v, 4) : v, low);
+    };
+    return {half(0), half(1)};
+  } else {
+    if (b < grouped) {  // byte 64k + 4l + j of a group: input 4k + j of block l
+      const uint8_t* at_block = row + (b / kGroup) * kGroup * kBlock + (b % kGroup) * 4;
+      return {four_pieces(at_block, 64), four_pieces(at_block + 256, 64)};
+    }
+    return {_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock)),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock + 16))};
+  }
+}
+
+// One packed weight row (nb blocks; scale and offset per block, offset null for int8) as K
+// bfloat16 values at `out`.
+template <bool Int4>
+inline void bf16_row(const uint8_t* row, const uint16_t* scale, const uint16_t* offset, int64_t nb, uint16_t* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockCodes codes = block_codes<Int4>(row, b, nb);
+    const float s = half_to_float(scale[b]), o = Int4 ? half_to_float(offset[b]) : 0.0f;
+    bf16_codes<!Int4>(codes.first, s, o, out + b * kBlock);
+    bf16_codes<!Int4>(codes.second, s, o, out + b * kBlock + 16);
+  }
+}
+
+#ifdef SPIRIT_AMX
+// Prefill on CPUs with AMX: bfloat16 tile products (TDPBF16PS) of the weights, turned to
+// bfloat16 a panel of 16 weight rows at a time, against the bfloat16 activations as they are.
+// Why: a prefill chunk is bound by arithmetic, and the integer path spends most of it on the
+// float step per block of 32 inputs for every (weight row, row) pair (128 rows of 17920x1536 int4
+// ran at about 170 GMAC/s on two cores). Here the scale and offset go into the weights once per
+// panel, and the tiles add up the whole row in float32 themselves. Not row-invariant, so
+// exact passes (verification, batched decoding) never take it; prefill need not be, since a
+// request's prefill runs the same way alone or in a batch.
+//
+// Tiles 0-3: sums [16 weight rows][16 rows] float32 for up to 4 tiles of 16 rows; 4: one block
+// of the panel's weights [16 weight rows][32 inputs]; 5, 6: one block of 16 rows' inputs in
+// pairs [16 pairs][16 rows x 2] (TDPBF16PS's layout for its second operand).
+inline void configure_bf16_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// T tiles of 16 rows (1..4) against one panel: `weights` [16][K] bfloat16, `pairs` the first
+// tile's blocks (each block 512 values, tiles nb * 512 apart); sums [T][16][16] float32.
+template <int T>
+inline void bf16_panel_products(const uint16_t* weights, int64_t K, const uint16_t* pairs, int64_t nb, float* sums) {
+  static_assert(T >= 1 && T <= 4, "four sum tiles");
+  const int64_t tile = nb * 512;
+  _tile_zero(0);
+  if constexpr (T > 1) _tile_zero(1);
+  if constexpr (T > 2) _tile_zero(2);
+  if constexpr (T > 3) _tile_zero(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* block = pairs + b * 512;
+    _tile_loadd(4, weights + b * kBlock, K * 2);
+    _tile_loadd(5, block, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (T > 1) {
+      _tile_loadd(6, block + tile, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (T > 2) {
+      _tile_loadd(5, block + 2 * tile, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (T > 3) {
+      _tile_loadd(6, block + 3 * tile, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (T > 1) _tile_stored(1, sums + 256, 64);
+  if constexpr (T > 2) _tile_stored(2, sums + 512, 64);
+  if constexpr (T > 3) _tile_stored(3, sums + 768, 64);
+}
+
+// x [M, K] bfloat16 in TDPBF16PS's pair layout: per tile of 16 rows and block of 32 inputs, 512
+// values, input 2p + h of row r at 32 p + 2 r + h; rows past M are zero.
+at::Tensor input_pairs(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, tiles = (M + 15) / 16;
+  at::Tensor pairs = at::empty({tiles * nb * 512}, at::kShort);
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());  // a pair of inputs as one 32-bit word
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pairs.data_ptr());
+  at::parallel_for(0, tiles * nb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / nb, b = i % nb;
+      uint32_t* out = pp + i * 256;
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t m = t * 16 + r;
+        for (int64_t p = 0; p < 16; ++p) out[16 * p + r] = m < M ? xp[m * (K / 2) + b * 16 + p] : 0;
+      }
+    }
+  });
+  return pairs;
+}
+
+// bf16_row for the tile products: the same values by AVX-512 BF16's conversion (rounded to
+// nearest even as well; it would flush denormals, which code * scale + offset from float16
+// scales and offsets does not reach in practice), 32 at a time: the weights are turned to bf16
+// once per product, which at a prefill chunk's rows is a third of its time.
+template <bool Int4>
+inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t* offset, int64_t nb, uint16_t* out) {
+#ifdef __AVX512BF16__
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockCodes codes = block_codes<Int4>(row, b, nb);
+    const __m512 s = _mm512_set1_ps(half_to_float(scale[b]));
+    const __m512 o = _mm512_set1_ps(Int4 ? half_to_float(offset[b]) : 0.0f);
+    auto values = [&](__m128i c) {
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(Int4 ? _mm512_cvtepu8_epi32(c) : _mm512_cvtepi8_epi32(c)), s, o);
+    };
+    const __m512bh pair = _mm512_cvtne2ps_pbh(values(codes.second), values(codes.first));
+    _mm512_storeu_si512(out + b * kBlock, reinterpret_cast<const __m512i&>(pair));
+  }
+#else
+  bf16_row<Int4>(row, scale, offset, nb, out);
+#endif
+}
+
+template <bool Int4>
+void prefill_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                    const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock, row_bytes = Int4 ? K / 2 : K;
+  const int64_t tiles = (M + 15) / 16, panel_count = (N + 15) / 16;
+  const at::Tensor pairs = input_pairs(x);
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
+  const uint8_t* wp = raw<uint8_t>(codes);
+  const uint16_t* sp = raw<uint16_t>(scale);
+  const uint16_t* op = Int4 ? raw<uint16_t>(offset) : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+    uint16_t* weights = static_cast<uint16_t*>(std::aligned_alloc(64, sizeof(uint16_t) * 16 * K));
+    alignas(64) float sums[4 * 256];
+    configure_bf16_tiles();
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * 16, cols = std::min<int64_t>(16, N - n0);
+      for (int64_t c = 0; c < 16; ++c) {
+        if (c < cols) panel_row<Int4>(wp + (n0 + c) * row_bytes, sp + (n0 + c) * nb, Int4 ? op + (n0 + c) * nb : nullptr, nb, weights + c * K);
+        else std::memset(weights + c * K, 0, sizeof(uint16_t) * K);
+      }
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        const int64_t count = std::min<int64_t>(4, tiles - t0);
+        const uint16_t* first = pp + t0 * nb * 512;
+        switch (count) {
+          case 1: bf16_panel_products<1>(weights, K, first, nb, sums); break;
+          case 2: bf16_panel_products<2>(weights, K, first, nb, sums); break;
+          case 3: bf16_panel_products<3>(weights, K, first, nb, sums); break;
+          default: bf16_panel_products<4>(weights, K, first, nb, sums); break;
+        }
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t r = 0; r < 16 && (t0 + t) * 16 + r < M; ++r) {
+            at::BFloat16* out = yp + ((t0 + t) * 16 + r) * N + n0;
+            for (int64_t c = 0; c < cols; ++c) {
+              const float sum = sums[256 * t + 16 * c + r];
+              out[c] = static_cast<at::BFloat16>(bias ? sum + bias[n0 + c] : sum);
+            }
+          }
+      }
+    }
+    _tile_release();
+    std::free(weights);
+  });
+}
+#endif
+
 }  // namespace
+
+// Prefill products (x: bfloat16 [M, K]; the rest as qgemm's) by bfloat16 tile products where
+// AMX runs (prefill_panels): about what a dense bf16 product costs, without a dense copy of
+// the weights. Not row-invariant: only for passes that need not be exact.
+at::Tensor prefill_qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                         const at::Tensor& bias, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0 && x.scalar_type() == at::kBFloat16,
+              "prefill_qgemm: x must be bfloat16 [rows, K] with K a multiple of 32");
+  TORCH_CHECK(bits == 4 || bits == 8, "prefill_qgemm: bits must be 4 or 8");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (bits == 4 ? K / 2 : K), "prefill_qgemm: codes shape");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
+              "prefill_qgemm: scale must be float16 [N, K/32]");
+  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
+              "prefill_qgemm: offset must be float16 [N, K/32]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "prefill_qgemm: bias must be float32 [N]");
+#ifdef SPIRIT_AMX
+  TORCH_CHECK(amx_granted(), "prefill_qgemm: the OS did not grant the AMX tile registers");
+  const at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  if (bits == 4) prefill_panels<true>(rows, codes, scale, offset, bias_ptr, y);
+  else prefill_panels<false>(rows, codes, scale, offset, bias_ptr, y);
+  return y;
+#else
+  TORCH_CHECK(false, "prefill_qgemm: this build has no AMX tile products");
+#endif
+}
 
 // x: float32 or bfloat16 [M, K]; codes/scale/offset as above; bias: float32 [N] or empty;
 // panels: the same weight in tile order (tile_panels in model/qgemm.py) or empty. Returns
@@ -1006,55 +1250,15 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * nb, "dequantize: scale must be float16 [N, K/32]");
   TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * nb),
               "dequantize: offset must be float16 [N, K/32]");
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* op = bits == 4 ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr;
-  at::BFloat16* wp = out.data_ptr<at::BFloat16>();
-  const int64_t grouped = grouped_blocks(nb);
+  const uint8_t* cp = raw<uint8_t>(codes);
+  const uint16_t* sp = raw<uint16_t>(scale);
+  const uint16_t* op = bits == 4 ? raw<uint16_t>(offset) : nullptr;
+  uint16_t* wp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      at::BFloat16* row = wp + n * K;
-      const uint16_t* s = sp + n * nb;
-      if (bits == 8) {  // grouped blocks: input j of block l at byte 64 (j / 4) + 4 l + j % 4 of its group
-        const int8_t* c = reinterpret_cast<const int8_t*>(cp) + n * K;
-        for (int64_t b = 0; b < nb; ++b) {
-          const float scale_b = half_to_float(s[b]);
-          for (int64_t j = 0; j < kBlock; ++j)
-            row[b * kBlock + j] = static_cast<at::BFloat16>(c[grouped_index(b, j, grouped)] * scale_b);
-        }
-        continue;
-      }
-      const uint16_t* o = op + n * nb;
-      const uint8_t* bytes = cp + n * (K / 2);
-      float scales[kGroup], offsets[kGroup];
-      for (int64_t g = 0; g < grouped; g += kGroup) {  // byte 64c + 4l + j: inputs 4c + j and 16 + 4c + j of block l
-        const uint8_t* group = bytes + g * 16;
-        for (int64_t l = 0; l < kGroup; ++l) scales[l] = half_to_float(s[g + l]), offsets[l] = half_to_float(o[g + l]);
-        for (int64_t l = 0; l < kGroup; ++l) {
-          at::BFloat16* out_block = row + (g + l) * kBlock;
-          for (int64_t c = 0; c < 4; ++c) {
-            for (int64_t j = 0; j < 4; ++j) {
-              const uint8_t byte = group[64 * c + 4 * l + j];
-              out_block[4 * c + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(byte & 15), scales[l], offsets[l]));
-              out_block[16 + 4 * c + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(byte >> 4), scales[l], offsets[l]));
-            }
-          }
-        }
-      }
-      for (int64_t b = grouped; b < nb; ++b) {
-        const float scale_b = half_to_float(s[b]), offset_b = half_to_float(o[b]);
-        for (int64_t j = 0; j < kBlock; ++j) {
-          int code;
-          if (b + 1 < nb || (b & 1) == 1) {  // in a pair: low nibbles the even block, high the odd one
-            const uint8_t byte = bytes[(b & ~int64_t{1}) * 16 + j];
-            code = (b & 1) ? (byte >> 4) : (byte & 15);
-          } else {  // a lone last block: byte j holds inputs j and j + 16
-            const uint8_t byte = bytes[b * 16 + (j & 15)];
-            code = j < 16 ? (byte & 15) : (byte >> 4);
-          }
-          row[b * kBlock + j] = static_cast<at::BFloat16>(std::fma(static_cast<float>(code), scale_b, offset_b));
-        }
-      }
+      if (bits == 4) bf16_row<true>(cp + n * row_bytes, sp + n * nb, op + n * nb, nb, wp + n * K);
+      else bf16_row<false>(cp + n * row_bytes, sp + n * nb, nullptr, nb, wp + n * K);
     }
   });
 }
