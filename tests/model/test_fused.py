@@ -283,33 +283,68 @@ def test_prefill_tile_products_are_the_dequantized_weights_product(fmt, rows):
     assert torch.equal(y, qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits))
 
 
-def test_without_amx_prefill_stays_on_the_integer_kernel(monkeypatch):
+def test_prefill_products_follow_the_cpu_and_spirit_prefill(monkeypatch):
+    from spirit.model.fused import prefill_products
+
+    monkeypatch.delenv("SPIRIT_PREFILL", raising=False)
+    for tiles, dense, expected in ((True, True, "tiles"), (False, True, "dense"), (False, False, "kernel")):
+        monkeypatch.setattr(qgemm, "prefill_tiles", lambda tiles=tiles: tiles)
+        monkeypatch.setattr(qgemm, "dense_bf16", lambda dense=dense: dense)
+        assert prefill_products(torch.bfloat16)[0] == expected
+        assert prefill_products(torch.float32)[0] == "kernel"
+    monkeypatch.setenv("SPIRIT_PREFILL", "dense")
+    assert prefill_products(torch.bfloat16) == ("dense", "dense bf16 products for prefill (SPIRIT_PREFILL)")
+    monkeypatch.setenv("SPIRIT_PREFILL", "tiles")  # dense_bf16 and prefill_tiles are False here
+    with pytest.raises(ValueError, match="AMX tile products do not run here"):
+        prefill_products(torch.bfloat16)
+    monkeypatch.setenv("SPIRIT_PREFILL", "fast")
+    with pytest.raises(ValueError, match="kernel, dense or tiles"):
+        prefill_products(torch.bfloat16)
+
+
+def test_without_avx512_bf16_prefill_stays_on_the_integer_kernel(monkeypatch):
+    monkeypatch.delenv("SPIRIT_PREFILL", raising=False)
     monkeypatch.setattr(qgemm, "prefill_tiles", lambda: False)
+    monkeypatch.setattr(qgemm, "dense_bf16", lambda: False)
     model = SkippableModel(packed("llama", torch.bfloat16))
-    assert not model.fused.prefill_tiles and not model.fused.prefill_tiles_pay(128)
+    assert model.fused.prefill_how(128) == "kernel"
     assert "integer kernel for prefill" in model.fused_reason
 
 
-@amx_only
+@pytest.mark.parametrize("how", ["dense", pytest.param("tiles", marks=amx_only)])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_prefill_takes_tile_products_and_speculation_stays_exact(arch, monkeypatch):
-    """A 30-token prompt is prefilled by tile products; no decoding pass (plain steps, drafts,
-    verification) takes them, so speculation still gives plain decoding's tokens."""
+def test_prefill_takes_its_products_and_speculation_stays_exact(arch, how, monkeypatch):
+    """A 70-token prompt is prefilled in the faster way (dense runs on any CPU when asked for);
+    no decoding pass (plain steps, drafts, verification) takes it, so speculation still gives
+    plain decoding's tokens."""
     import spirit.model.fused as fused_module
 
+    monkeypatch.setenv("SPIRIT_PREFILL", how)
     engine = Engine(SkippableModel(packed(arch, torch.bfloat16, layers=4)))
-    assert "bfloat16 AMX tile products for prefill" in engine.model.fused_reason
+    assert engine.model.fused.prefill_products == how
     calls = []
     real = fused_module._prefill_product
-    monkeypatch.setattr(fused_module, "_prefill_product", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
+    monkeypatch.setattr(fused_module, "_prefill_product",
+                        lambda x, *rest: calls.append((x.shape[0], rest[2])) or real(x, *rest))
     rng = random.Random(7)
-    prompt = [rng.randrange(256) for _ in range(30)]
+    prompt = [rng.randrange(256) for _ in range(70)]
     plain, _ = decode_all(engine, prompt, 20)
-    assert calls and set(calls) == {30}  # the prefill chunk, and nothing else
+    assert calls and set(calls) == {(70, how)}  # the prefill chunk, and nothing else
     policy = StaticPolicy(ModelInfo(4), DraftConfig(max_draft=6), skip=SkipSet.parse("mlp:1,2"))
     out, stats = decode_all(engine, prompt, 20, policy)
     assert out == plain and stats.counters.draft_rounds > 0
-    assert set(calls) == {30}
+    assert set(calls) == {(70, how)}
+
+
+def test_dense_products_agree_with_the_kernel_to_bf16_rounding():
+    model = SkippableModel(packed("llama", torch.bfloat16))
+    fused = model.fused
+    fused.prefill_products = "dense"
+    assert fused.prefill_how(64) == "dense" and fused.prefill_how(63) == "kernel"
+    x = torch.randn(16, model.config.hidden_size).to(torch.bfloat16)
+    layer = fused.layers[0]
+    kernel, dense = layer.gate_up(x), layer.gate_up(x, "dense", fused._scratch)
+    assert torch.allclose(dense.float(), kernel.float(), rtol=0.05, atol=0.05 * kernel.abs().max().item())
 
 
 def test_projections_and_the_lm_head_keep_tile_panels_where_amx_runs(monkeypatch):

@@ -286,10 +286,10 @@ class SkippableModel:
         prefill: bool,
     ) -> torch.Tensor:
         """`_run` on the fused layers: the same sublayers, masks and cache slots. A prefill
-        chunk's products take bfloat16 tile products where they run (FusedDecoder.prefill_tiles)."""
+        chunk's products may take faster ways that are not row-invariant (FusedDecoder.prefill_how)."""
         fused = self.fused
         writes = cache.row_writes(hidden.shape[0])
-        tiles = prefill and not rowwise and fused.prefill_tiles_pay(hidden.shape[0]) and hidden.dtype == torch.bfloat16
+        how = fused.prefill_how(hidden.shape[0]) if prefill and not rowwise and hidden.dtype == torch.bfloat16 else "kernel"
         keys: dict[int | None, PassKeys] = {}
         for i in range(len(self.layers)):
             if i not in skip.attn:
@@ -299,10 +299,10 @@ class SkippableModel:
                     rows = row_keys.get("rows")
                     keys[window] = PassKeys.rowwise(rows, writes) if rows is not None else PassKeys(mask=mask, end=writes.end)
                 cos, sin = rotary[self.layer_types[i]]
-                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window], tiles)
+                hidden = hidden + fused.attention(i, fused.input_norm(i, hidden), cos[0], sin[0], writes, keys[window], how)
             if i not in skip.mlp:
                 normed = fused.post_norm(i, hidden)
-                hidden = hidden + (fused.mlp(i, normed, tiles) if mlps is None else mlps[i](normed[None])[0])
+                hidden = hidden + (fused.mlp(i, normed, how) if mlps is None else mlps[i](normed[None])[0])
         return self.norm(hidden)
 
     @torch.inference_mode()

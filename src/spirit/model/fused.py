@@ -27,6 +27,7 @@ Used for the standard pre-norm layout with RMSNorm, SwiGLU and full rotary embed
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,25 @@ from spirit.model.quantize import PackedWeight
 
 _EMPTY = torch.empty(0)
 PREFILL_TILE_ROWS = 16  # prefill chunks of this many rows or more take bf16 tile products where they run
+DENSE_ROWS = 64  # ... or dense bf16 products, where those run
+
+
+def prefill_products(activation: torch.dtype) -> tuple[str, str]:
+    """How prefill chunks multiply on this CPU, and why: "tiles" where AMX runs (bf16 tile
+    products, 2.5-4x the integer kernel at 43-128 rows on a Xeon with AMX), "dense" on other
+    CPUs with AVX-512 BF16 (dense bf16 products, measured 1.5-1.7x the integer kernel at 128
+    rows on an EPYC), else "kernel". `SPIRIT_PREFILL=kernel|dense|tiles` picks one (to compare)."""
+    if activation != torch.bfloat16:
+        return "kernel", "integer kernel for prefill (the faster products need bf16 activations)"
+    chosen = os.environ.get("SPIRIT_PREFILL", "").lower()
+    if chosen not in ("", "kernel", "dense", "tiles"):
+        raise ValueError(f"SPIRIT_PREFILL must be kernel, dense or tiles, not {chosen!r}")
+    if chosen == "tiles" and not qgemm.prefill_tiles():
+        raise ValueError("SPIRIT_PREFILL=tiles: AMX tile products do not run here (qgemm.status())")
+    how = chosen or ("tiles" if qgemm.prefill_tiles() else "dense" if qgemm.dense_bf16() else "kernel")
+    reason = {"tiles": "bfloat16 AMX tile products for prefill", "dense": "dense bf16 products for prefill",
+              "kernel": "integer kernel for prefill"}[how]
+    return how, reason + (" (SPIRIT_PREFILL)" if chosen else "")
 
 
 class Projection:
@@ -73,27 +93,36 @@ class Projection:
         if self.weight is not None:
             self.panels = self.weight.tile_panels()
 
-    def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """x: [rows, in] -> [rows, sum of outs]. `prefill`: bf16 rows of a pass that need not be
-        exact, by bfloat16 tile products (qgemm.prefill_qgemm; the caller checks they run here)."""
+    def __call__(self, x: torch.Tensor, how: str = "kernel", scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [rows, in] -> [rows, sum of outs]. `how`: "kernel", spirit's row-invariant integer
+        products; for bf16 rows of a pass that need not be exact (prefill, FusedDecoder.prefill_how),
+        "tiles", bfloat16 AMX tile products, or "dense", the weight unpacked into `scratch` (bf16, at
+        least out x in elements) and multiplied as a dense matrix."""
         w = self.weight
         if w is None:
-            if prefill:
-                return torch.cat([_prefill_product(x, linear.weight_packed, linear.bias) for linear in self.parts], dim=-1)
-            return torch.cat([linear(x) for linear in self.parts], dim=-1)
-        if prefill:
-            return _prefill_product(x, w, self.bias)
-        return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, w.bits, self.panels)
+            if how == "kernel":
+                return torch.cat([linear(x) for linear in self.parts], dim=-1)
+            return torch.cat([_prefill_product(x, linear.weight_packed, linear.bias, how, scratch)
+                              for linear in self.parts], dim=-1)
+        if how == "kernel":
+            return qgemm.qgemm(x, w.codes, w.scales, w.offsets, self.bias, w.bits, self.panels)
+        return _prefill_product(x, w, self.bias, how, scratch)
 
     @property
     def size(self) -> int:
-        """Weights in the (one) packed product; 0 when its parts run apart."""
-        return 0 if self.weight is None else self.weight.out_features * self.weight.in_features
+        """Weights in its largest packed product (the one weight, or its largest part)."""
+        return max(linear.weight_packed.out_features * linear.weight_packed.in_features for linear in self.parts) \
+            if self.weight is None else self.weight.out_features * self.weight.in_features
 
 
-def _prefill_product(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return qgemm.prefill_qgemm(x, weight.codes, weight.scales, weight.offsets,
-                               None if bias is None else bias.float(), weight.bits)
+def _prefill_product(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, how: str,
+                     scratch: torch.Tensor | None) -> torch.Tensor:
+    bias = None if bias is None else bias.float()
+    if how == "tiles":
+        return qgemm.prefill_qgemm(x, weight.codes, weight.scales, weight.offsets, bias, weight.bits)
+    dense = scratch[: weight.out_features * weight.in_features].view(weight.out_features, weight.in_features)
+    y = F.linear(x, qgemm.dequantize(weight.codes, weight.scales, weight.offsets, dense, weight.bits))
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _concatenated(weights: Sequence[PackedWeight]) -> PackedWeight:
@@ -169,20 +198,27 @@ class FusedDecoder:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scaling, self.eps, self.head_eps = scaling, eps, head_eps
         self._ops = qgemm.extension()
-        # Prefill chunks (many rows, need not be exact) take bfloat16 tile products where AMX
-        # runs: 2.5-4x the integer kernel's rate at 43-128 rows (kernels/qgemm.cpp). Chosen by
-        # what the CPU has, not by a timing at load, so the same machine always prefills the
-        # same way and gives the same text.
-        self.prefill_tiles = qgemm.prefill_tiles() and activation == torch.bfloat16
-        self.prefill_reason = ("bfloat16 AMX tile products for prefill" if self.prefill_tiles
-                               else "integer kernel for prefill")
+        # How prefill chunks (many rows, need not be exact) multiply: chosen by what the CPU has,
+        # not by a timing at load (that once flipped between runs near its threshold, and with it
+        # the text), so a machine always prefills the same way and gives the same text.
+        self.prefill_products, self.prefill_reason = prefill_products(activation)
+        self._scratch: torch.Tensor | None = None  # "dense": the largest product's weights in bf16
 
-    def prefill_tiles_pay(self, rows: int) -> bool:
-        """Whether a prefill chunk of `rows` rows takes the tile products: each panel's weights
-        are turned to bf16 once per product whatever the rows, which below PREFILL_TILE_ROWS rows
-        costs more than the integer kernel (17920x1536 int4: 4.6 ms against 11.3 at 16 rows,
-        against 1.4 at 8)."""
-        return self.prefill_tiles and rows >= PREFILL_TILE_ROWS
+    def prefill_how(self, rows: int) -> str:
+        """How a prefill chunk of `rows` rows multiplies (Projection.__call__'s `how`). Both
+        faster ways turn each weight to bf16 once per product whatever the rows, which costs
+        more than the integer kernel below PREFILL_TILE_ROWS (tiles; 17920x1536 int4: 4.1 ms
+        against 11.3 at 16 rows, against 1.4 at 8) or DENSE_ROWS rows (dense)."""
+        if self.prefill_products == "tiles" and rows >= PREFILL_TILE_ROWS:
+            return "tiles"
+        if self.prefill_products == "dense" and rows >= DENSE_ROWS:
+            if self._scratch is None:
+                self._scratch = torch.empty(max(p.size for p in self._projections()), dtype=torch.bfloat16)
+            return "dense"
+        return "kernel"
+
+    def _projections(self) -> list[Projection]:
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def input_norm(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._ops.rms_norm(hidden, self.layers[i].input_norm, self.eps)
@@ -191,13 +227,14 @@ class FusedDecoder:
         return self._ops.rms_norm(hidden, self.layers[i].post_norm, self.eps)
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, writes: RowWrites,
-                  keys: PassKeys, prefill: bool = False) -> torch.Tensor:
+                  keys: PassKeys, how: str = "kernel") -> torch.Tensor:
         """x: normed [q, hidden]; cos, sin: [q, head_dim]. Writes the rows' keys and values into
         layer i of their caches; returns the attention sublayer's output [q, hidden]."""
         layer = self.layers[i]
+        scratch = self._scratch
         key_buffers = [cache.keys[i] for cache in writes.caches]
         value_buffers = [cache.values[i] for cache in writes.caches]
-        q = self._ops.rope_write(layer.qkv(x, prefill), cos, sin, self.heads, self.kv_heads, self.head_dim,
+        q = self._ops.rope_write(layer.qkv(x, how, scratch), cos, sin, self.heads, self.kv_heads, self.head_dim,
                                  layer.q_norm, layer.k_norm, self.head_eps, key_buffers, value_buffers,
                                  writes.cache_of_row, writes.slot_of_row)  # [q, heads, head_dim]
         if keys.offsets is not None:
@@ -209,11 +246,11 @@ class FusedDecoder:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=keys.mask,
                                                  scale=self.scaling, enable_gqa=True)  # [1, heads, q, head_dim]
             out = out[0].transpose(0, 1).reshape(q.shape[0], self.heads * self.head_dim)
-        return layer.o(out, prefill)
+        return layer.o(out, how, scratch)
 
-    def mlp(self, i: int, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        layer = self.layers[i]
-        return layer.down(self._ops.silu_mul(layer.gate_up(x, prefill)), prefill)
+    def mlp(self, i: int, x: torch.Tensor, how: str = "kernel") -> torch.Tensor:
+        layer, scratch = self.layers[i], self._scratch
+        return layer.down(self._ops.silu_mul(layer.gate_up(x, how, scratch)), how, scratch)
 
 
 def fused_decoder(causal_lm: nn.Module, dtype: torch.dtype) -> tuple[FusedDecoder | None, str]:

@@ -198,6 +198,11 @@ def prefill_tiles() -> bool:
     return amx()
 
 
+def dense_bf16() -> bool:
+    """Whether torch's dense bf16 products run natively here (AVX-512 BF16, not held to AVX2)."""
+    return "avx512_bf16" in _cpu_flags() and not _held_to_avx2()
+
+
 def prefill_qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                   bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """[rows, in] bf16 x packed [out, in] -> [rows, out] bf16 by bfloat16 tile products, for
