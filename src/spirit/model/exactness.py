@@ -91,7 +91,7 @@ def _check(model: "SkippableModel") -> Exactness:
     return Exactness(
         True, min_rows, max_rows,
         f"exact: {dtype} linear layers row-invariant {how} up to {max_rows} rows{capped}; row-wise attention"
-        + (" (spirit's fused layers)" if getattr(model, "fused", None) is not None else ""),
+        + (f" (spirit's fused layers; {model.fused.prefill_reason})" if getattr(model, "fused", None) is not None else ""),
     )
 
 
