@@ -157,6 +157,24 @@ def test_pass_costs_learn_online_and_scale_by_the_seed_shape():
     assert 6.0 < model.predict(2) < 16.0  # a moving average
 
 
+def test_a_request_allotted_no_drafts_does_not_probe_its_draft():
+    """A window whose configuration probes its draft (teacher-forced agreement) runs the probe
+    only in a round that may draft: alone (no allotment), or allotted at least one token."""
+    class ProbingPolicy(StaticPolicy):
+        def plan(self):
+            return self.window(self.config(self.skip, probe=self.skip))
+
+    eng = engine("llama")
+    prompt = [random.Random(3).randrange(200) for _ in range(12)]
+    for limit, probes in ((0, False), (1, True), (None, True)):
+        policy = ProbingPolicy(INFO, DraftConfig(max_draft=4), skip=SkipSet(mlp=frozenset({1})))
+        decoding = eng.start(prompt, DecodeSettings(max_new_tokens=8), policy)
+        while decoding.prefilling:
+            decoding.prefill_chunk()
+        decoding.propose(limit)
+        assert (decoding.counters().probe_time_s > 0) is probes, limit
+
+
 def test_a_bad_batch_size_is_refused():
     with pytest.raises(ValueError, match="max_batch"):
         Batch(engine("llama"), 0)
