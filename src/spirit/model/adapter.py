@@ -289,7 +289,7 @@ class SkippableModel:
         chunk's products may take faster ways that are not row-invariant (FusedDecoder.prefill_how)."""
         fused = self.fused
         writes = cache.row_writes(hidden.shape[0])
-        how = fused.prefill_how(hidden.shape[0]) if prefill and not rowwise and hidden.dtype == torch.bfloat16 else "kernel"
+        how = fused.prefill_how(hidden.shape[0]) if prefill and not rowwise else "kernel"  # bf16 only: prefill_products
         keys: dict[int | None, PassKeys] = {}
         for i in range(len(self.layers)):
             if i not in skip.attn:

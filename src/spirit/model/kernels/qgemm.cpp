@@ -1129,6 +1129,21 @@ void prefill_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 }
 #endif
 
+// The checks every entry point makes of a packed weight for K inputs (and of its bias, if any):
+// `name` starts each message.
+void check_packed(const char* name, int64_t K, const at::Tensor& codes, const at::Tensor& scale,
+                  const at::Tensor& offset, const at::Tensor& bias, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8");
+  TORCH_CHECK(K % kBlock == 0 && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) == (bits == 4 ? K / 2 : K),
+              name, ": codes shape");
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
+              name, ": scale must be float16 [N, K/32]");
+  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
+              name, ": offset must be float16 [N, K/32]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), name, ": bias must be float32 [N]");
+}
+
 }  // namespace
 
 // Prefill products (x: bfloat16 [M, K]; the rest as qgemm's) by bfloat16 tile products where
@@ -1138,16 +1153,10 @@ at::Tensor prefill_qgemm(const at::Tensor& x, const at::Tensor& codes, const at:
                          const at::Tensor& bias, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0 && x.scalar_type() == at::kBFloat16,
               "prefill_qgemm: x must be bfloat16 [rows, K] with K a multiple of 32");
-  TORCH_CHECK(bits == 4 || bits == 8, "prefill_qgemm: bits must be 4 or 8");
-  const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (bits == 4 ? K / 2 : K), "prefill_qgemm: codes shape");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
-              "prefill_qgemm: scale must be float16 [N, K/32]");
-  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
-              "prefill_qgemm: offset must be float16 [N, K/32]");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "prefill_qgemm: bias must be float32 [N]");
+  check_packed("prefill_qgemm", x.size(1), codes, scale, offset, bias, bits);
 #ifdef SPIRIT_AMX
   TORCH_CHECK(amx_granted(), "prefill_qgemm: the OS did not grant the AMX tile registers");
+  const int64_t N = codes.size(0);
   const at::Tensor rows = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* bias_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
@@ -1166,14 +1175,8 @@ at::Tensor prefill_qgemm(const at::Tensor& x, const at::Tensor& codes, const at:
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                  const at::Tensor& bias, int64_t bits, const at::Tensor& panels) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "qgemm: x must be [rows, K] with K a multiple of 32");
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
   const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (bits == 4 ? K / 2 : K), "qgemm: codes shape");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
-              "qgemm: scale must be float16 [N, K/32]");
-  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * (K / kBlock)),
-              "qgemm: offset must be float16 [N, K/32]");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N), "qgemm: bias must be float32 [N]");
+  check_packed("qgemm", K, codes, scale, offset, bias, bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemm: x must be float32 or bfloat16");
   const int64_t grouped = grouped_blocks(K / kBlock);
   const int64_t panel_bytes = grouped * (bits == 4 ? 256 + 64 : 512 + 32);
@@ -1243,13 +1246,8 @@ void dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
   const int64_t in_features = out.size(1);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == codes.size(0),
               "dequantize: out must be contiguous bfloat16 [N, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "dequantize: bits must be 4 or 8");
-  TORCH_CHECK(in_features % kBlock == 0 && codes.is_contiguous() && codes.dim() == 2 &&
-                  codes.size(1) == (bits == 4 ? in_features / 2 : in_features), "dequantize: codes shape");
+  check_packed("dequantize", in_features, codes, scale, offset, at::Tensor(), bits);
   const int64_t N = codes.size(0), K = in_features, nb = K / kBlock;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * nb, "dequantize: scale must be float16 [N, K/32]");
-  TORCH_CHECK(bits == 8 || (offset.scalar_type() == at::kHalf && offset.is_contiguous() && offset.numel() == N * nb),
-              "dequantize: offset must be float16 [N, K/32]");
   const uint8_t* cp = raw<uint8_t>(codes);
   const uint16_t* sp = raw<uint16_t>(scale);
   const uint16_t* op = bits == 4 ? raw<uint16_t>(offset) : nullptr;
