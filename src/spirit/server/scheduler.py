@@ -27,6 +27,7 @@ from typing import Any
 from spirit.api import GenerationResult, Spirit, TextStream
 from spirit.batch import Batch
 from spirit.stats import GenerationStats
+from spirit.threads import release_openmp_workers
 
 log = logging.getLogger("spirit.server")
 
@@ -92,6 +93,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._recent: deque[float] = deque(maxlen=32)  # seconds per finished job, for Retry-After
+        # the engine runs on the worker thread from now on: the creating thread's idle OpenMP
+        # workers (left by loading the model) would slow every pass there (spirit/threads.py)
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._work, name="spirit-engine", daemon=True)
         self._thread.start()
 
@@ -158,7 +162,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:
-                    self._cond.wait()
+                    self._idle()
                 if self._closed:
                     return
                 job = self._waiting.popleft()
@@ -168,6 +172,12 @@ class Scheduler:
             finally:
                 with self._cond:
                     self._active.remove(job)
+
+    def _idle(self) -> None:
+        """Wait for work (holding `_cond`), first freeing this thread's OpenMP workers: another
+        server's engine in this process may run meanwhile (spirit/threads.py)."""
+        release_openmp_workers()
+        self._cond.wait()
 
     def _run(self, job: Job) -> None:
         result: GenerationResult | None = None
@@ -214,7 +224,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._waiting and not len(batch) and not self._closed:
-                    self._cond.wait()
+                    self._idle()
                 if self._closed:
                     break
                 free = self.max_batch - len(self._active)
