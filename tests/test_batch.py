@@ -18,6 +18,7 @@ from spirit.batch import Batch, DraftDemand, PassCostModel, allot_drafts
 from spirit.engine import DecodeSettings, Engine
 from spirit.model.adapter import SkippableModel
 from spirit.policies.base import LookupPolicy, ModelInfo, StaticPolicy, VanillaPolicy
+from spirit.proposers.self_draft import ChainDraft, draft_layerskip, draft_together
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.testing import ARCHITECTURES, decode_all, tiny_model
 
@@ -114,6 +115,53 @@ def test_a_request_that_asks_to_stop_leaves_the_batch():
     while len(batch):
         batch.step()
     assert 4 <= len(got) < 50 and len(ended) == 1 and ended[0].new_tokens == len(got)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chains_drafted_together_are_the_chains_drafted_alone(arch):
+    """Packed draft steps (draft_together) give each request the tree its chain gives alone:
+    chains of different lengths, ending at different steps, with and without branches."""
+    eng = engine(arch)
+    rng = random.Random(arch + "chains")
+    skip = SkipSet(attn=frozenset({2}), mlp=frozenset({1}))
+    configs = [DraftConfig(skip=skip, max_draft=5, threshold=0.0), DraftConfig(skip=skip, max_draft=2),
+               DraftConfig(skip=skip, max_draft=6, threshold=0.0, branches=2, branch_below=0.99)]
+    starts = []
+    for n in (9, 4, 13):
+        decoding = eng.start([rng.randrange(256) for _ in range(n)], DecodeSettings(max_new_tokens=10), VanillaPolicy(INFO))
+        while decoding.prefilling:
+            decoding.prefill_chunk()
+        starts.append(decoding)
+    sampling = starts[0].settings.sampling
+    alone = [draft_layerskip(eng.model, d.ids, d.cache, config, sampling, None, config.max_draft).tokens
+             for d, config in zip(starts, configs)]
+    chains = [ChainDraft(d.ids, d.cache, config, sampling, None, config.max_draft) for d, config in zip(starts, configs)]
+    draft_together(eng.model, chains)
+    assert [chain.tree().tokens for chain in chains] == alone
+    assert len(chains[0].chain) == 5 and len(chains[1].chain) <= 2 and len(chains[2].chain) == 6
+    with pytest.raises(ValueError, match="same sublayers"):
+        draft_together(eng.model, [ChainDraft(starts[0].ids, starts[0].cache, DraftConfig(skip=SkipSet(mlp=frozenset({3}))),
+                                              sampling, None, 2), *chains])
+
+
+def test_a_batch_drafts_the_requests_that_share_a_configuration_together():
+    """Where the budget gives several requests drafts of one configuration, their chains run
+    in packed passes (one group per round), and every output still equals solo decoding."""
+    eng = engine("qwen2")
+    rng = random.Random(11)
+    requests = [([rng.randrange(256) for _ in range(rng.randint(3, 10))], 18, "chain") for _ in range(4)]
+    requests.append(([rng.randrange(256) for _ in range(6)], 15, "tree"))  # another configuration: its own group
+    solo = [decode_all(eng, prompt, n, POLICIES[policy]())[0] for prompt, n, policy in requests]
+    batch = Batch(eng, len(requests))
+    batch.pass_costs.predict = lambda rows: 1.0  # verifying rows is free: every request is given drafts
+    outputs: list[list[int]] = [[] for _ in requests]
+    for i, (prompt, n, policy) in enumerate(requests):
+        batch.add(eng.start(prompt, DecodeSettings(max_new_tokens=n), POLICIES[policy]()),
+                  emit=lambda ids, i=i: outputs[i].extend(ids) or True, done=lambda stats: None)
+    while len(batch):
+        batch.step()
+    assert outputs == solo
+    assert batch.stats.drafts_together > batch.stats.draft_groups > 0  # some groups held several requests
 
 
 # -- the draft budget on simulated costs ---------------------------------------------------------

@@ -11,8 +11,10 @@ tokens per second, from the measured cost of a pass as a function of its rows
 A round of `Batch.step`:
 1. at most one prefill chunk of a joining request (a pass of its own, so a long prompt holds
    the others up one chunk at a time; engine.Decoding explains why it runs alone);
-2. every decoding request proposes its tree (alone: each drafts with its own policy's
-   configuration) within its allotted draft tokens;
+2. every decoding request proposes its tree with its own policy's configuration, within its
+   allotted draft tokens; model drafts of requests whose configurations skip the same
+   sublayers run together, one packed pass per draft step for all of them (sharing each
+   reading of the weights), the others alone;
 3. one full-model pass packs all their trees (model/adapter.py `forward_packed`): the rows go
    through the linear layers together and each row attends to its own request's cache;
 4. each request verifies and commits its rows; finished requests leave, new ones join.
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spirit.engine import Decoding, Engine, Round
+from spirit.proposers.self_draft import SelfDraft, draft_together
 from spirit.stats import GenerationStats
 from spirit.tree import MAX_NODES
 
@@ -139,6 +142,8 @@ class BatchStats:
     pass_time_s: float = 0.0
     most_requests: int = 0  # in one pass
     prefill_chunks: int = 0
+    draft_groups: int = 0  # groups of model drafts run together (one packed pass per step)
+    drafts_together: int = 0  # requests' model drafts run in those groups
 
     def add(self, requests: int, rows: int, seconds: float) -> None:
         self.passes, self.rows, self.pass_time_s = self.passes + 1, self.rows + rows, self.pass_time_s + seconds
@@ -203,8 +208,9 @@ class Batch:
         else:
             limits = list(allot_drafts([self._demand(m.decoding) for m in members], self.pass_costs.predict,
                                        self.max_rows))
-        rounds: list[Round] = [m.decoding.propose(limit) for m, limit in zip(members, limits)]
-        rounds = self._fit(rounds)
+        together = len(members) > 1
+        rounds: list[Round] = [m.decoding.propose(limit, together) for m, limit in zip(members, limits)]
+        rounds = self._fit(self._draft_together(members, rounds))
         segments = [m.decoding.segment(r) for m, r in zip(members, rounds)]
         rows = sum(r.tree.size for r in rounds)
         t0 = time.perf_counter()
@@ -214,6 +220,28 @@ class Batch:
         self.stats.add(len(members), rows, seconds)
         for member, round_, rows_logits in zip(members, rounds, logits):
             self._emit(member, member.decoding.commit(round_, rows_logits, seconds))
+
+    def _draft_together(self, members: list[Member], rounds: list[Round]) -> list[Round]:
+        """Run the rounds' model drafts: the chains that skip the same sublayers with the same
+        MLPs step together, one packed pass per step (proposers/self_draft.py
+        `draft_together`); each request is charged an equal share of its group's time."""
+        groups: dict[tuple, list[int]] = {}
+        for i, round_ in enumerate(rounds):
+            if round_.chain is not None:
+                config = round_.chain.config
+                groups.setdefault((config.skip, config.draft_bits), []).append(i)
+        rounds = list(rounds)
+        for indices in groups.values():
+            source = rounds[indices[0]].source
+            assert isinstance(source, SelfDraft)
+            t0 = time.perf_counter()
+            draft_together(self.engine.model, [rounds[i].chain for i in indices], source.mlps(rounds[indices[0]].chain.config))
+            share = (time.perf_counter() - t0) / len(indices)
+            self.stats.draft_groups += 1
+            self.stats.drafts_together += len(indices)
+            for i in indices:
+                rounds[i] = members[i].decoding.drafted(rounds[i], share)
+        return rounds
 
     def _fit(self, rounds: list[Round]) -> list[Round]:
         """Trim trees (largest first) until the pass fits `max_rows`: a request whose policy

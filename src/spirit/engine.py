@@ -39,6 +39,7 @@ from spirit.model.lowbit import PackedLinear
 from spirit.plan import Plan
 from spirit.policies.base import ModelInfo, Policy, RequestInfo, VanillaPolicy
 from spirit.proposers import DraftContext, DraftResources, Proposer
+from spirit.proposers.self_draft import ChainDraft, SelfDraft
 from spirit.sampling import GumbelNoise, SamplingParams, pick, probabilities, randomness
 from spirit.skipset import DraftConfig, SkipSet
 from spirit.stats import Counters, GenerationStats, WindowStats
@@ -184,12 +185,18 @@ class Engine:
         return pick(logits, sampling, generator, position)
 
     @staticmethod
-    def _propose(context: DraftContext, sources: list[Proposer], limit: int) -> tuple[Proposer | None, DraftTree]:
+    def _propose(context: DraftContext, sources: list[Proposer], limit: int,
+                 together: bool = False) -> tuple[Proposer | None, DraftTree | ChainDraft]:
         """The first tree that drafts a token, from the sources this window's configuration
-        enables, in their listed order; each but the last knows a later one would be asked."""
+        enables, in their listed order; each but the last knows a later one would be asked.
+        `together`: a model draft is not run but returned as its chain (SelfDraft.start), for a
+        batch to run with others; it drafts a token whenever it is asked for one."""
         enabled = [source for source in sources if source.enabled(context.config)]
         for n, source in enumerate(enabled):
-            tree = source.propose(replace(context, fallback=n < len(enabled) - 1), limit)
+            asked = replace(context, fallback=n < len(enabled) - 1)
+            if together and isinstance(source, SelfDraft):
+                return source, source.start(asked, limit)
+            tree = source.propose(asked, limit)
             if tree.drafted:
                 return source, tree
         return None, DraftTree(context.ids[-1])
@@ -270,11 +277,15 @@ class Engine:
 @dataclass
 class Round:
     """What one round of a request verifies: `tree` (a lone root is a plain step), the
-    source that drafted it (None for a plain step) and the time its drafting took."""
+    source that drafted it (None for a plain step) and the time its drafting took.
+    `chain`: a model draft still to run (the tree is then its root alone): a batch runs it
+    with the chains of other requests that share its configuration, then `Decoding.drafted`
+    makes the round."""
 
     tree: DraftTree
     source: Proposer | None
     draft_time_s: float = 0.0
+    chain: ChainDraft | None = None
 
     @property
     def plain(self) -> bool:
@@ -364,9 +375,10 @@ class Decoding:
         self.done = first in self.settings.eos_token_ids or self.budget == 0
         return [first]
 
-    def propose(self, draft_limit: int | None = None) -> Round:
+    def propose(self, draft_limit: int | None = None, together: bool = False) -> Round:
         """This round's tree: drafted by the window's configuration, at most `draft_limit`
-        drafted tokens (a batch's budget; None: the configuration's own limit), or a plain step."""
+        drafted tokens (a batch's budget; None: the configuration's own limit), or a plain step.
+        `together`: a model draft comes back as the round's `chain`, not run (Round)."""
         window = self._window()
         config = window.plan.config
         # The probe measures the window's draft for its policy; a batch that allots this request
@@ -384,15 +396,27 @@ class Decoding:
         t0 = time.perf_counter()
         context = DraftContext(self.ids, self.cache, config, self.settings.sampling, self.generator,
                                self.settings.eos_token_ids)
-        source, tree = self.engine._propose(context, self.sources, limit)
+        source, tree = self.engine._propose(context, self.sources, limit, together)
         draft_time = time.perf_counter() - t0
+        if isinstance(tree, ChainDraft):
+            return Round(pending, source, draft_time, chain=tree)
         if source is None:  # nothing to verify: this round is a plain step
             window.counters.draft_time_s += draft_time
             return Round(pending, None)
+        return self._fitted(Round(tree, source, draft_time))
+
+    def drafted(self, round_: Round, draft_time_s: float) -> Round:
+        """The round once its chain has run (in a batch, with others: `draft_time_s` is this
+        request's share of those passes)."""
+        assert round_.chain is not None
+        return self._fitted(Round(round_.chain.tree(), round_.source, round_.draft_time_s + draft_time_s))
+
+    def _fitted(self, round_: Round) -> Round:
         exactness = self.model.exactness
-        if self.engine.exact and tree.size > exactness.max_rows:
-            tree = tree.truncated(exactness.max_rows)  # larger passes are not row-invariant here
-        return Round(tree, source, draft_time)
+        if self.engine.exact and round_.tree.size > exactness.max_rows:
+            # larger passes are not row-invariant here
+            return Round(round_.tree.truncated(exactness.max_rows), round_.source, round_.draft_time_s)
+        return round_
 
     def segment(self, round_: Round) -> Segment:
         """The rows this round's full-model pass runs for this request."""

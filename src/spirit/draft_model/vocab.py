@@ -58,19 +58,20 @@ class DraftHead:
         self.vocab_size = weight.shape[0]
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[hidden] -> [n] raw scores over the subset (before soft-capping)."""
+        """[..., hidden] -> [..., n] raw scores over the subset (before soft-capping)."""
         return torch.nn.functional.linear(hidden, self.weight)
 
     def logits(self, hidden: torch.Tensor, capped) -> torch.Tensor:
-        """[hidden] -> float32 logits [vocab]: the subset's scores through the model's final
-        soft-capping (`capped`, SkippableModel.capped), -inf for every other token."""
+        """[..., hidden] -> float32 logits [..., vocab]: the subset's scores through the model's
+        final soft-capping (`capped`, SkippableModel.capped), -inf for every other token."""
         return self.to_full(capped(self.scores(hidden).float()))
 
     def to_full(self, sub_logits: torch.Tensor) -> torch.Tensor:
-        """[n] subset logits -> [vocab] with -inf for every token outside the subset, so the
-        same sampling code gives q = 0 there (exact for speculative sampling)."""
-        full = torch.full((self.vocab_size,), float("-inf"), dtype=sub_logits.dtype, device=sub_logits.device)
-        full[self.token_ids] = sub_logits
+        """[..., n] subset logits -> [..., vocab] with -inf for every token outside the subset,
+        so the same sampling code gives q = 0 there (exact for speculative sampling)."""
+        full = torch.full((*sub_logits.shape[:-1], self.vocab_size), float("-inf"), dtype=sub_logits.dtype,
+                          device=sub_logits.device)
+        full[..., self.token_ids] = sub_logits
         return full
 
 

@@ -319,18 +319,28 @@ class SkippableModel:
             one = segments[0]
             return [self.forward(one.input_ids[None], one.start, one.cache, SkipSet(), positions=one.positions,
                                  visible=one.visible, exact=exact)]
-        rows = [len(segment.input_ids) for segment in segments]
+        hidden = self.hidden_packed(segments, SkipSet())
+        return list(self.logits(hidden).split([len(segment.input_ids) for segment in segments]))
+
+    @torch.inference_mode()
+    def hidden_packed(self, segments: Sequence[Segment], skip: SkipSet,
+                      mlps: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """Final-normed hidden [sum of q_i, hidden] of several requests' rows in one pass
+        through the sublayers `skip` leaves (and `mlps` instead of the model's MLPs, as
+        `hidden_states`): the rows go through the linear layers together, each row attends
+        row by row to its own request's cache. forward_packed's full pass, and a batch's draft
+        step for requests that draft with the same configuration (proposers/self_draft.py).
+        Writes each segment's KV, in the layers it runs, into its own cache."""
         positions = [segment.slot_positions(self.device) for segment in segments]
         input_ids = torch.cat([segment.input_ids for segment in segments])[None]
-        caches = PackedCaches([(segment.cache, segment.start, q) for segment, q in zip(segments, rows)])
+        caches = PackedCaches([(segment.cache, segment.start, len(segment.input_ids)) for segment in segments])
 
         def attention(window: int | None) -> tuple[None, dict[str, RowKeys]]:
             keys = [RowKeys.from_mask(self._allowed(segment.start, pos, window, segment.visible)).reading(segment.cache)
                     for segment, pos in zip(segments, positions)]
             return None, {"rows": sum(keys[1:], keys[0])}
 
-        hidden = self._run(input_ids, torch.cat(positions), caches, SkipSet(), attention, rowwise=True)[0]
-        return list(self.logits(hidden).split(rows))
+        return self._run(input_ids, torch.cat(positions), caches, skip, attention, mlps, rowwise=True)[0]
 
     def _pad(
         self, input_ids: torch.Tensor, start: int, positions: torch.Tensor | None, visible: torch.Tensor | None, rows: int
