@@ -343,6 +343,9 @@ def test_dense_products_agree_with_the_kernel_to_bf16_rounding():
     fused = model.fused
     fused.prefill_products = "dense"
     assert fused.prefill_how(64) == "dense" and fused.prefill_how(63) == "kernel"
+    fused.prefill_products = "tiles"
+    assert fused.prefill_how(32) == "tiles" and fused.prefill_how(31) == "kernel"  # panels win below 32
+    fused.prefill_products = "dense"
     x = torch.randn(16, model.config.hidden_size).to(torch.bfloat16)
     layer = fused.layers[0]
     kernel, dense = layer.gate_up(x), layer.gate_up(x, "dense", fused._scratch)
