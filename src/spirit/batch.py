@@ -232,10 +232,10 @@ class Batch:
                 groups.setdefault((config.skip, config.draft_bits), []).append(i)
         rounds = list(rounds)
         for indices in groups.values():
-            source = rounds[indices[0]].source
+            source, chains = rounds[indices[0]].source, [rounds[i].chain for i in indices]
             assert isinstance(source, SelfDraft)
             t0 = time.perf_counter()
-            draft_together(self.engine.model, [rounds[i].chain for i in indices], source.mlps(rounds[indices[0]].chain.config))
+            draft_together(self.engine.model, chains, source.mlps(chains[0].config))
             share = (time.perf_counter() - t0) / len(indices)
             self.stats.draft_groups += 1
             self.stats.drafts_together += len(indices)
