@@ -270,6 +270,20 @@ amx_only = pytest.mark.skipif(not qgemm.prefill_tiles(), reason="no AMX tile pro
 
 @amx_only
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prefill_tiles_turn_the_weights_into_the_bits_dequantize_gives(fmt):
+    """Against the identity each product is one weight (times 1, plus zeros): so the panels'
+    bf16 weights (whole groups at once, then pairs and a lone block) are dequantize's, bit for bit."""
+    from spirit.model.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(2)
+    w = (quantize_int4 if fmt == "int4" else quantize_int8)(torch.randn(40, 1568) * 0.05, torch.bfloat16)
+    dense = qgemm.dequantize(w.codes, w.scales, w.offsets, torch.empty(40, 1568, dtype=torch.bfloat16), w.bits)
+    y = qgemm.prefill_qgemm(torch.eye(1568, dtype=torch.bfloat16), w.codes, w.scales, w.offsets, None, w.bits)
+    assert torch.equal(y, dense.T)
+
+
+@amx_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 17, 40, 128])
 def test_prefill_tile_products_are_the_dequantized_weights_product(fmt, rows):
     """N = 40 (a panel of 8 rows past the last whole one), K = 1568 (a group, pairs, a lone
