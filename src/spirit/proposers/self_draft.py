@@ -58,6 +58,11 @@ class ChainDraft:
         self.done = limit < 1
 
     @property
+    def deterministic(self) -> bool:
+        """Greedy, or Gumbel noise: the draft picks tokens without sampling, so nodes carry no q."""
+        return self.sampling.greedy or isinstance(self.generator, GumbelNoise)
+
+    @property
     def slot(self) -> int:
         """The cache slot (and position) of the token the next step runs."""
         return self.committed + len(self.chain)
@@ -68,8 +73,7 @@ class ChainDraft:
 
     def take(self, logits: torch.Tensor) -> None:
         """The step's logits [vocab]: draft the next token (and runner-ups as leaves where unsure)."""
-        config, sampling, generator = self.config, self.sampling, self.generator
-        deterministic = sampling.greedy or isinstance(generator, GumbelNoise)
+        config, sampling, generator, deterministic = self.config, self.sampling, self.generator, self.deterministic
         if isinstance(generator, GumbelNoise):  # this token is at position slot + 1
             logits = perturbed_logprobs(logits, sampling, generator.at(self.slot + 1))
         probs = torch.softmax(logits, dim=-1) if deterministic else probabilities(logits, sampling)
@@ -94,12 +98,11 @@ class ChainDraft:
         self.done = confidence < config.threshold or token in self.stop_ids or len(self.chain) >= self.limit
 
     def tree(self) -> DraftTree:
-        deterministic = self.sampling.greedy or isinstance(self.generator, GumbelNoise)
         tree = DraftTree.chain(self.root, self.chain, self.chain_dists or None)
         for parent, leaf, dist in self.leaves:
             if tree.full:
                 break
-            if deterministic and tree.child(parent, leaf) is not None:
+            if self.deterministic and tree.child(parent, leaf) is not None:
                 continue
             tree.add(parent, leaf, dist)
         return tree

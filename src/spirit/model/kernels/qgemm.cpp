@@ -1076,7 +1076,7 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
     // in one step each. The same values as the loop below, about 1.5x as fast.
     alignas(64) uint8_t blocks[4][64];  // blocks[i][16k .. 16k + 16): block 4k + i of the group
     alignas(64) float scales[kGroup], offsets[kGroup];
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m128i low = _mm_set1_epi8(0x0F);
     for (; b < grouped_blocks(nb); b += kGroup) {
       const uint8_t* group = row + b * 16;
       const __m512i r0 = _mm512_loadu_si512(group), r1 = _mm512_loadu_si512(group + 64);
@@ -1093,8 +1093,7 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
         const __m128i codes = _mm_load_si128(reinterpret_cast<const __m128i*>(blocks[l % 4] + 16 * (l / 4)));
         const __m512 s = _mm512_set1_ps(scales[l]), o = _mm512_set1_ps(offsets[l]);
         auto values = [&](__m128i c) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), s, o); };
-        const __m128i first = _mm_and_si128(codes, _mm512_castsi512_si128(low));
-        const __m128i second = _mm_and_si128(_mm_srli_epi16(codes, 4), _mm512_castsi512_si128(low));
+        const __m128i first = _mm_and_si128(codes, low), second = _mm_and_si128(_mm_srli_epi16(codes, 4), low);
         const __m512bh pair = _mm512_cvtne2ps_pbh(values(second), values(first));
         _mm512_storeu_si512(out + (b + l) * kBlock, reinterpret_cast<const __m512i&>(pair));
       }
