@@ -302,6 +302,33 @@ def test_prefill_tile_products_are_the_dequantized_weights_product(fmt, rows):
     assert torch.equal(y, qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits))
 
 
+@amx_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [5, 16, 37])
+def test_prefill_tile_outputs_round_as_torch_rounds_float32_to_bf16(fmt, rows):
+    """The float32 sums leave the tiles as bfloat16 the way torch rounds (nearest, ties to
+    even), with the bias added first, in every row and column of partial tiles and panels:
+    x holds scaled identity rows, so each sum is one exact product c * w (16 significant bits
+    at most) plus zeros, and only the bias addition and the final rounding are inexact. A NaN
+    row stays NaN."""
+    from spirit.model.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(3)
+    w = (quantize_int4 if fmt == "int4" else quantize_int8)(torch.randn(40, 1568) * 0.05, torch.bfloat16)
+    dense = qgemm.dequantize(w.codes, w.scales, w.offsets, torch.empty(40, 1568, dtype=torch.bfloat16), w.bits)
+    scale = torch.tensor([1 + 2**-7, 1 + 3 * 2**-7, 1 - 2**-8, 1.5])[torch.arange(rows) % 4].to(torch.bfloat16)
+    picked = torch.randperm(1568)[:rows]
+    x = torch.zeros(rows, 1568, dtype=torch.bfloat16)
+    x[torch.arange(rows), picked] = scale
+    bias = torch.randn(40) * 1e-3
+    y = qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits)
+    expected = (scale.float()[:, None] * dense.float()[:, picked].T + bias).to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    x[rows // 2, 0] = float("nan")
+    y = qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits)
+    assert torch.isnan(y[rows // 2]).all() and not torch.isnan(y[torch.arange(rows) != rows // 2]).any()
+
+
 def test_prefill_products_follow_the_cpu_and_spirit_prefill(monkeypatch):
     from spirit.model.fused import prefill_products
 
