@@ -329,6 +329,23 @@ def test_prefill_tile_outputs_round_as_torch_rounds_float32_to_bf16(fmt, rows):
     assert torch.isnan(y[rows // 2]).all() and not torch.isnan(y[torch.arange(rows) != rows // 2]).any()
 
 
+@amx_only
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prefill_tile_products_over_block_ranges_keep_every_bit(fmt):
+    """128 rows of K = 4640 (9 groups and a lone block) take the inputs in two ranges of blocks
+    (their pairs, 1160 KB, pass the kernel's 1 MB), the sums carried over between them; 16 rows
+    take them in one. Each row's sums are its own, so both give every row the same bits."""
+    from spirit.model.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(4)
+    w = (quantize_int4 if fmt == "int4" else quantize_int8)(torch.randn(24, 4640) * 0.05, torch.bfloat16)
+    x, bias = torch.randn(128, 4640).to(torch.bfloat16), torch.randn(24)
+    ranged = qgemm.prefill_qgemm(x, w.codes, w.scales, w.offsets, bias, w.bits)
+    for start in range(0, 128, 16):
+        whole = qgemm.prefill_qgemm(x[start : start + 16], w.codes, w.scales, w.offsets, bias, w.bits)
+        assert torch.equal(ranged[start : start + 16].view(torch.int16), whole.view(torch.int16))
+
+
 def test_prefill_products_follow_the_cpu_and_spirit_prefill(monkeypatch):
     from spirit.model.fused import prefill_products
 

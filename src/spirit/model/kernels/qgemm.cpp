@@ -67,6 +67,13 @@ constexpr int64_t kBlock = 32;
 //   1536x8960 (8 blocks after 17 groups, which run one weight row at a time either way):
 //     int4 (panels of one byte per code) 1.05 / 1.02 / 1.14 at 8 / 16 / 32 rows, int8 0.96 /
 //     1.05 / 1.01 at 4 / 8 / 16: no gain short of a prefill chunk.
+#ifndef SPIRIT_PREFILL_RANGE_BYTES
+#define SPIRIT_PREFILL_RANGE_BYTES (1 << 20)
+#endif
+// prefill_panels takes the inputs in ranges of blocks whose input pairs stay under this many bytes
+// (int8 1536x8960 at 128 rows, weights from memory: 4.33 ms in one range, 3.56 with 1 MB ranges,
+// 3.81 with 512 KB ones)
+constexpr int64_t kPrefillRangeBytes = SPIRIT_PREFILL_RANGE_BYTES;
 #ifndef SPIRIT_AMX_MIN_ROWS_INT8
 #define SPIRIT_AMX_MIN_ROWS_INT8 8
 #endif
@@ -1007,17 +1014,27 @@ inline void configure_bf16_tiles() {
   _tile_loadconfig(&config);
 }
 
-// T tiles of 16 rows (1..4) against one panel: `weights` [16][K] bfloat16, `pairs` the first
-// tile's blocks (each block 512 values, tiles nb * 512 apart); sums [T][16][16] float32.
+// T tiles of 16 rows (1..4) against one panel over blocks [b0, b1): `weights` [16][K] bfloat16,
+// `pairs` the first tile's blocks (each block 512 values, tiles nb * 512 apart); sums [T][16][16]
+// float32, which the products add to where `accumulate` (the earlier blocks' sums: float32
+// in and out exactly, so a product split over block ranges has the bits of one over all).
 template <int T>
-inline void bf16_panel_products(const uint16_t* weights, int64_t K, const uint16_t* pairs, int64_t nb, float* sums) {
+inline void bf16_panel_products(const uint16_t* weights, int64_t K, const uint16_t* pairs, int64_t nb, int64_t b0,
+                                int64_t b1, bool accumulate, float* sums) {
   static_assert(T >= 1 && T <= 4, "four sum tiles");
   const int64_t tile = nb * 512;
-  _tile_zero(0);
-  if constexpr (T > 1) _tile_zero(1);
-  if constexpr (T > 2) _tile_zero(2);
-  if constexpr (T > 3) _tile_zero(3);
-  for (int64_t b = 0; b < nb; ++b) {
+  if (accumulate) {
+    _tile_loadd(0, sums, 64);
+    if constexpr (T > 1) _tile_loadd(1, sums + 256, 64);
+    if constexpr (T > 2) _tile_loadd(2, sums + 512, 64);
+    if constexpr (T > 3) _tile_loadd(3, sums + 768, 64);
+  } else {
+    _tile_zero(0);
+    if constexpr (T > 1) _tile_zero(1);
+    if constexpr (T > 2) _tile_zero(2);
+    if constexpr (T > 3) _tile_zero(3);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
     const uint16_t* block = pairs + b * 512;
     _tile_loadd(4, weights + b * kBlock, K * 2);
     _tile_loadd(5, block, 64);
@@ -1066,9 +1083,10 @@ at::Tensor input_pairs(const at::Tensor& x) {
 // scales and offsets does not reach in practice), 32 at a time: the weights are turned to bf16
 // once per product, which at a prefill chunk's rows is a third of its time.
 template <bool Int4>
-inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t* offset, int64_t nb, uint16_t* out) {
+inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t* offset, int64_t nb, int64_t b0,
+                      int64_t b1, uint16_t* out) {
 #ifdef __AVX512BF16__
-  int64_t b = 0;
+  int64_t b = b0;
   if constexpr (Int4) {
     // Whole groups at once: the group's four 64-byte runs (byte 64c + 4l + j: inputs 4c + j
     // and 16 + 4c + j of block l) transposed so that each block's 16 bytes are together, as
@@ -1077,7 +1095,7 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
     alignas(64) uint8_t blocks[4][64];  // blocks[i][16k .. 16k + 16): block 4k + i of the group
     alignas(64) float scales[kGroup], offsets[kGroup];
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (; b < grouped_blocks(nb); b += kGroup) {
+    for (; b < std::min(b1, grouped_blocks(nb)); b += kGroup) {
       const uint8_t* group = row + b * 16;
       const __m512i r0 = _mm512_loadu_si512(group), r1 = _mm512_loadu_si512(group + 64);
       const __m512i r2 = _mm512_loadu_si512(group + 128), r3 = _mm512_loadu_si512(group + 192);
@@ -1099,7 +1117,7 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
       }
     }
   }
-  for (; b < nb; ++b) {
+  for (; b < b1; ++b) {
     const BlockCodes codes = block_codes<Int4>(row, b, nb);
     const __m512 s = _mm512_set1_ps(half_to_float(scale[b]));
     const __m512 o = _mm512_set1_ps(Int4 ? half_to_float(offset[b]) : 0.0f);
@@ -1110,7 +1128,8 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
     _mm512_storeu_si512(out + b * kBlock, reinterpret_cast<const __m512i&>(pair));
   }
 #else
-  bf16_row<Int4>(row, scale, offset, nb, out);
+  if (b0 == 0) bf16_row<Int4>(row, scale, offset, nb, out);  // the whole row at the first range
+  (void)b1;
 #endif
 }
 
@@ -1169,34 +1188,46 @@ void prefill_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const uint16_t* sp = raw<uint16_t>(scale);
   const uint16_t* op = Int4 ? raw<uint16_t>(offset) : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // Inputs in ranges of blocks whose pairs fit a core's L2 (2 MB on these Xeons) with room to
+  // spare: every panel reads the whole range's pairs, which for the 8960-wide down projection
+  // at 128 rows (2.3 MB in all) came from L3 for every panel. Sums carry over between ranges.
+  const int64_t range = std::max<int64_t>(kGroup, (kPrefillRangeBytes / (tiles * 16 * 64)) / kGroup * kGroup);
   at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
     uint16_t* weights = static_cast<uint16_t*>(std::aligned_alloc(64, sizeof(uint16_t) * 16 * K));
+    const bool ranged = range < nb;
+    float* partial = ranged ? static_cast<float*>(std::aligned_alloc(64, sizeof(float) * (end - begin) * tiles * 256)) : nullptr;
     alignas(64) float sums[4 * 256];
     configure_bf16_tiles();
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * 16, cols = std::min<int64_t>(16, N - n0);
-      const __mmask16 column_mask = static_cast<__mmask16>((1u << cols) - 1);
-      const __m512 panel_bias = bias ? _mm512_maskz_loadu_ps(column_mask, bias + n0) : _mm512_setzero_ps();
-      for (int64_t c = 0; c < 16; ++c) {
-        if (c < cols) panel_row<Int4>(wp + (n0 + c) * row_bytes, sp + (n0 + c) * nb, Int4 ? op + (n0 + c) * nb : nullptr, nb, weights + c * K);
-        else std::memset(weights + c * K, 0, sizeof(uint16_t) * K);
-      }
-      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-        const int64_t count = std::min<int64_t>(4, tiles - t0);
-        const uint16_t* first = pp + t0 * nb * 512;
-        switch (count) {
-          case 1: bf16_panel_products<1>(weights, K, first, nb, sums); break;
-          case 2: bf16_panel_products<2>(weights, K, first, nb, sums); break;
-          case 3: bf16_panel_products<3>(weights, K, first, nb, sums); break;
-          default: bf16_panel_products<4>(weights, K, first, nb, sums); break;
+    for (int64_t b0 = 0; b0 < nb; b0 += range) {
+      const int64_t b1 = std::min(nb, b0 + range);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * 16, cols = std::min<int64_t>(16, N - n0);
+        const __mmask16 column_mask = static_cast<__mmask16>((1u << cols) - 1);
+        const __m512 panel_bias = bias ? _mm512_maskz_loadu_ps(column_mask, bias + n0) : _mm512_setzero_ps();
+        for (int64_t c = 0; c < 16; ++c) {
+          if (c < cols) panel_row<Int4>(wp + (n0 + c) * row_bytes, sp + (n0 + c) * nb, Int4 ? op + (n0 + c) * nb : nullptr, nb, b0, b1, weights + c * K);
+          else std::memset(weights + c * K + b0 * kBlock, 0, sizeof(uint16_t) * (b1 - b0) * kBlock);
         }
-        for (int64_t t = 0; t < count; ++t)
-          store_bf16_tile(sums + 256 * t, panel_bias, column_mask, std::min<int64_t>(16, M - (t0 + t) * 16),
-                          yp + (t0 + t) * 16 * N + n0, N);
+        for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+          const int64_t count = std::min<int64_t>(4, tiles - t0);
+          const uint16_t* first = pp + t0 * nb * 512;
+          float* carried = ranged ? partial + ((p - begin) * tiles + t0) * 256 : sums;  // this range's sums
+          switch (count) {
+            case 1: bf16_panel_products<1>(weights, K, first, nb, b0, b1, b0 > 0, carried); break;
+            case 2: bf16_panel_products<2>(weights, K, first, nb, b0, b1, b0 > 0, carried); break;
+            case 3: bf16_panel_products<3>(weights, K, first, nb, b0, b1, b0 > 0, carried); break;
+            default: bf16_panel_products<4>(weights, K, first, nb, b0, b1, b0 > 0, carried); break;
+          }
+          if (b1 < nb) continue;
+          for (int64_t t = 0; t < count; ++t)
+            store_bf16_tile(carried + 256 * t, panel_bias, column_mask, std::min<int64_t>(16, M - (t0 + t) * 16),
+                            yp + (t0 + t) * 16 * N + n0, N);
+        }
       }
     }
     _tile_release();
     std::free(weights);
+    std::free(partial);
   });
 }
 #endif
