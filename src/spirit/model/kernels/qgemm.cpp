@@ -1128,8 +1128,8 @@ inline void panel_row(const uint8_t* row, const uint16_t* scale, const uint16_t*
     _mm512_storeu_si512(out + b * kBlock, reinterpret_cast<const __m512i&>(pair));
   }
 #else
-  if (b0 == 0) bf16_row<Int4>(row, scale, offset, nb, out);  // the whole row at the first range
-  (void)b1;
+  bf16_row<Int4>(row, scale, offset, nb, out);  // the whole row, whatever the range: the buffer holds other panels' between ranges
+  (void)b0, (void)b1;
 #endif
 }
 
